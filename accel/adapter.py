@@ -1,0 +1,266 @@
+"""The one module that touches transformers internals.
+
+Everything accel needs from a Hugging Face causal LM goes through here: the cache base
+classes the model's forward accepts, the backbone forward with explicit position ids and
+masks, the output head, the model's geometry, the logits warpers, and the attention hook
+that captures the observation-window queries during the prefill. A transformers upgrade
+should be this file's work alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+__all__ = [
+    "Geometry",
+    "TransformersCache",
+    "check_causal_lm",
+    "geometry",
+    "backbone_forward",
+    "output_logits",
+    "make_warpers",
+    "capture_window_queries",
+    "default_eos",
+]
+
+
+# --------------------------------------------------------------------------- model facts
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Shapes of a decoder's KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def entry_bytes(self, batch: int = 1) -> int:
+        """Bytes of one token's K and V over all layers and KV heads."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * itemsize
+
+
+def check_causal_lm(model: Any) -> None:
+    """Raise a ValueError naming the class unless ``model`` is a decoder-only causal LM."""
+    name = type(model).__name__
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"accel needs a transformers PreTrainedModel causal LM, got {name}")
+    config = model.config
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"{name} is an encoder-decoder model; accel handles decoder-only causal LMs")
+    if model.get_output_embeddings() is None or not hasattr(model, "get_decoder"):
+        raise ValueError(f"{name} is not a causal language model (it has no output head); load it with AutoModelForCausalLM")
+    if not getattr(model, "can_generate", lambda: False)():
+        raise ValueError(f"{name} cannot generate text; load a causal LM with AutoModelForCausalLM")
+
+
+def geometry(model: PreTrainedModel) -> Geometry:
+    cfg = model.config.get_text_config(decoder=True)
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    param = next(model.parameters())
+    return Geometry(
+        num_layers=cfg.num_hidden_layers,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        num_heads=heads,
+        head_dim=head_dim,
+        dtype=param.dtype,
+        device=param.device,
+    )
+
+
+def default_eos(model: PreTrainedModel, tokenizer: Any = None) -> list[int]:
+    """End-of-sequence ids as ``model.generate`` would use them."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+# --------------------------------------------------------------------------- the cache
+
+
+class _Layer(DynamicLayer):
+    """A transformers cache layer whose storage is owned by :class:`TransformersCache`."""
+
+    def __init__(self, owner: "TransformersCache", idx: int):
+        super().__init__()
+        self._owner = owner
+        self._idx = idx
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self._owner._store(self._idx, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self._owner.physical_length(self._idx)
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # storage is lazy already
+        self.is_initialized = True
+
+
+class TransformersCache(Cache):
+    """A transformers ``Cache`` whose layers delegate storage to two methods.
+
+    Subclasses implement ``_store(layer_idx, keys, values) -> (keys_all, values_all)``
+    (called inside each attention layer with the new ``[B, H_kv, T, D]`` entries; returns
+    what that layer attends to) and ``physical_length(layer_idx)`` (entries stored). Masks
+    built by transformers index the physical entries, so a causal mask stays right for
+    compressed caches; position ids always come from the caller.
+    """
+
+    def __init__(self, num_layers: int):
+        super().__init__(layers=[_Layer(self, i) for i in range(num_layers)])
+
+    def _store(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        raise NotImplementedError
+
+    def physical_length(self, layer_idx: int = 0) -> int:
+        raise NotImplementedError
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.physical_length(layer_idx)
+
+
+# --------------------------------------------------------------------------- forward
+
+
+def _cache_kwarg(decoder: torch.nn.Module) -> str:
+    params = inspect.signature(decoder.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def backbone_forward(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Cache,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Run the decoder stack (no output head).
+
+    input_ids: [B, T]; position_ids: [B, T] (from the cache's logical length);
+    attention_mask: None (causal over the cache) or an additive float mask
+    [B, 1, T, P + T] over the P stored entries and the T new ones.
+    Returns the final (normed) hidden states [B, T, H].
+    """
+    decoder = model.get_decoder()
+    kwargs = {_cache_kwarg(decoder): cache}
+    out = decoder(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        attention_mask=attention_mask,
+        use_cache=True,
+        **kwargs,
+    )
+    return out.last_hidden_state
+
+
+def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The model's output head on hidden states [..., H] -> float32 logits [..., V]."""
+    logits = model.get_output_embeddings()(hidden)
+    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits.float()
+
+
+def make_warpers(temperature: float, top_k: int | None, top_p: float | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """transformers' temperature / top-k / top-p warpers as one function on logits [N, V].
+
+    Returns None for greedy decoding (temperature == 0).
+    """
+    if temperature == 0:
+        return None
+    procs = LogitsProcessorList()
+    if temperature != 1.0:
+        procs.append(TemperatureLogitsWarper(temperature))
+    if top_k is not None and top_k > 0:
+        procs.append(TopKLogitsWarper(top_k))
+    if top_p is not None and top_p < 1.0:
+        procs.append(TopPLogitsWarper(top_p))
+
+    def warp(logits: torch.Tensor) -> torch.Tensor:
+        dummy = torch.zeros((logits.shape[0], 1), dtype=torch.long, device=logits.device)
+        return procs(dummy, logits)
+
+    return warp
+
+
+# --------------------------------------------------------------------------- attention hook
+
+
+def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
+    mods = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
+    if not mods:
+        raise ValueError(
+            f"{type(model).__name__}: prompt compression needs attention modules with a q_proj "
+            "(Llama, Mistral, Qwen2/3, Gemma families)"
+        )
+    return mods
+
+
+def _window_queries(module: torch.nn.Module, hidden: torch.Tensor, pos_emb: Any, window: int) -> torch.Tensor:
+    """The last ``window`` queries of one attention layer, as its forward computes them.
+
+    hidden: [B, L, H] the attention input; returns [B, H_q, w, D] post-norm, post-RoPE.
+    """
+    head_dim = module.head_dim
+    x = hidden[:, -window:]
+    q = module.q_proj(x).view(x.shape[0], x.shape[1], -1, head_dim)
+    if hasattr(module, "q_norm"):
+        q = module.q_norm(q)
+    q = q.transpose(1, 2)
+    cos, sin = pos_emb
+    cos, sin = cos[:, -window:], sin[:, -window:]
+    rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb")
+    q, _ = rope(q, q, cos, sin)
+    return q
+
+
+@contextmanager
+def capture_window_queries(model: PreTrainedModel, cache: Cache, window: int, sink: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While active, each attention layer's last ``window`` queries land in ``sink[layer_idx]``
+    before the layer stores its keys in ``cache``.
+
+    The hooks only act on forwards that carry this very ``cache``, so concurrent requests
+    on the same model do not see each other; they are removed on exit.
+    """
+    if window <= 0:
+        yield
+        return
+
+    def hook(module, args, kwargs):
+        if kwargs.get("cache", kwargs.get("past_key_values")) is not cache:
+            return None
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        sink[module.layer_idx] = _window_queries(module, hidden, kwargs["position_embeddings"], window)
+        return None
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()

@@ -1,0 +1,256 @@
+"""Strategy protocols, capability flags and the registry from config names to classes.
+
+A strategy is a small, frozen pydantic model: configuration only, validated at construction,
+so the same object is built from Python (``SnapKV(budget=512)``), from a YAML mapping
+(``{"name": "snapkv", "budget": 512}``) or from a CLI spec (``"snapkv:budget=512"``).
+Per-request state never lives on the strategy: a drafter returns a fresh state object from
+:meth:`Drafter.start` and the engine keeps it with the request, so one strategy object can
+serve many concurrent requests.
+
+The decode loop never uses ``isinstance`` on strategies; it reads capability flags:
+
+- ``compresses_prompt``: the strategy selects which prompt KV entries each layer keeps
+  (:class:`PromptCompressor`).
+- ``drafts``: the strategy proposes draft trees for verification (:class:`Drafter`).
+- ``needs_hidden``: the drafter wants the verifier's last hidden state (Medusa heads).
+- ``accepts``: the strategy replaces the acceptance rule (:class:`AcceptanceRule`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+__all__ = [
+    "Strategy",
+    "PromptCompressor",
+    "Selection",
+    "Drafter",
+    "DraftContext",
+    "DraftProposal",
+    "AcceptanceRule",
+    "REGISTRY",
+    "register",
+    "build_strategy",
+    "build_strategies",
+    "StrategyError",
+]
+
+
+class StrategyError(ValueError):
+    """A strategy name or field is wrong. The message names the offending field."""
+
+
+class Strategy(BaseModel):
+    """Base class of every strategy: frozen configuration plus capability flags."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: ClassVar[str] = ""
+    compresses_prompt: ClassVar[bool] = False
+    drafts: ClassVar[bool] = False
+    needs_hidden: ClassVar[bool] = False
+    accepts: ClassVar[bool] = False
+
+    def spec(self) -> dict[str, Any]:
+        """The mapping this strategy is rebuilt from: ``build_strategy(s.spec()) == s``."""
+        return {"name": self.name, **self.model_dump()}
+
+
+# --------------------------------------------------------------------------- compression
+
+
+@dataclass
+class Selection:
+    """Which prompt entries one layer keeps, per KV head.
+
+    indices: LongTensor [B, H_kv, K], positions into the layer's prompt keys, ascending
+        along the last dim.
+    valid: BoolTensor [B, H_kv, K] or None. When heads keep different counts (adaptive
+        budgets), rows are padded to K and ``valid`` marks the real entries.
+    """
+
+    indices: torch.Tensor
+    valid: torch.Tensor | None = None
+
+
+class PromptCompressor(Strategy):
+    """Chooses, layer by layer during the prefill, which prompt KV entries to keep.
+
+    The engine calls :meth:`observation_window` once per request, captures that many
+    trailing prompt queries of every layer (post-RoPE, ``[B, H_q, w, D]``), and calls
+    :meth:`select` right after the layer's attention inputs are known, so each layer is
+    compressed before the next one runs.
+    """
+
+    compresses_prompt: ClassVar[bool] = True
+
+    def observation_window(self, prompt_len: int) -> int:
+        """How many trailing prompt queries :meth:`select` needs (0: none)."""
+        raise NotImplementedError
+
+    def select(
+        self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor
+    ) -> Selection | None:
+        """Entries to keep for one layer, or None to keep all.
+
+        queries: [B, H_q, w, D] trailing prompt queries (post-RoPE), or None if w == 0.
+        keys, values: [B, H_kv, L, D] the layer's full prompt KV (post-RoPE keys).
+        """
+        raise NotImplementedError
+
+
+# --------------------------------------------------------------------------- drafting
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read when proposing; owned by the engine, read-only for drafters.
+
+    tokens: LongTensor [n] every token of the sequence so far (prompt, generated, and the
+        pending root token that the next verify pass feeds), batch row 0.
+    hidden: FloatTensor [H] the verifier's final hidden state at the pending root's parent
+        (the last verified position), or None unless the drafter ``needs_hidden``.
+    max_tokens: int, the draft node budget the engine allows this step.
+    """
+
+    tokens: torch.Tensor
+    hidden: torch.Tensor | None
+    max_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DraftProposal:
+    """A tree of draft tokens hanging below the root (the pending token).
+
+    tokens: LongTensor [N] draft tokens, nodes 1..N of the tree (node 0 is the root).
+    parents: LongTensor [N] parent node of each draft node, in 0..N-1 and smaller than its
+        own node index (parents[i] < i + 1), so the tree is topologically ordered.
+    probs: FloatTensor [N, V] or None, the draft distribution q each token was sampled from.
+        None means the drafter is deterministic (q is a point mass on the token).
+    """
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    probs: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+class Drafter(Strategy):
+    """Proposes draft trees; learns from how many of its tokens were accepted."""
+
+    drafts: ClassVar[bool] = True
+
+    def start(self, model: Any, prompt: torch.Tensor) -> Any:
+        """Per-request state, created after the prefill. prompt: LongTensor [n]."""
+        return None
+
+    def propose(self, state: Any, ctx: DraftContext) -> DraftProposal | None:
+        """A draft tree of at most ``ctx.max_tokens`` nodes, or None for no draft."""
+        raise NotImplementedError
+
+    def feedback(self, state: Any, proposed: int, accepted: int) -> None:
+        """After each verify step: how many of this drafter's nodes were proposed, and how
+        many of the accepted tokens (bonus excluded) came from them."""
+
+
+class AcceptanceRule(Strategy):
+    """Replaces the default acceptance (greedy / lossless speculative sampling)."""
+
+    accepts: ClassVar[bool] = True
+    lossy: ClassVar[bool] = False
+
+
+# --------------------------------------------------------------------------- registry
+
+REGISTRY: dict[str, type[Strategy]] = {}
+
+
+def register(cls: type[Strategy]) -> type[Strategy]:
+    """Class decorator: make ``cls`` buildable by its ``name`` from configs and the CLI."""
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a class attribute `name` to be registered")
+    if REGISTRY.get(cls.name, cls) is not cls:
+        raise TypeError(f"strategy name {cls.name!r} is already registered by {REGISTRY[cls.name]}")
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    # The built-in strategies live in packages that `accel` composes but does not own.
+    # Importing them registers their classes; a missing optional package is not an error.
+    import importlib
+
+    for module in ("snapkv", "speculative"):
+        try:
+            importlib.import_module(module)
+        except ImportError:  # pragma: no cover - both ship in the same distribution
+            pass
+
+
+def _parse_value(text: str) -> Any:
+    import yaml
+
+    return yaml.safe_load(text) if text != "" else ""
+
+
+def parse_spec(spec: str) -> dict[str, Any]:
+    """``"snapkv:budget=512,window=32"`` -> ``{"name": "snapkv", "budget": 512, "window": 32}``."""
+    name, _, rest = spec.partition(":")
+    out: dict[str, Any] = {"name": name.strip()}
+    for item in filter(None, (p.strip() for p in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise StrategyError(f"strategy spec {spec!r}: expected key=value, got {item!r}")
+        out[key.strip()] = _parse_value(value.strip())
+    return out
+
+
+def _describe(err: ValidationError, prefix: str) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(value)"
+        parts.append(f"{prefix}{loc}: {e['msg']}")
+    return "; ".join(parts)
+
+
+def build_strategy(spec: Strategy | str | dict[str, Any], where: str = "") -> Strategy:
+    """Build one strategy from an instance, a ``"name:key=val,..."`` string or a mapping
+    with a ``name`` key. Errors name the field: ``StrategyError("snapkv.budget: ...")``."""
+    if isinstance(spec, Strategy):
+        return spec
+    if isinstance(spec, str):
+        spec = parse_spec(spec)
+    if not isinstance(spec, dict):
+        raise StrategyError(f"{where}strategy must be a name, a mapping or a Strategy, got {type(spec).__name__}")
+    if not REGISTRY:
+        _load_builtin()
+    fields = dict(spec)
+    name = fields.pop("name", None)
+    if not name:
+        raise StrategyError(f"{where}strategy mapping needs a 'name' (one of {sorted(REGISTRY)})")
+    cls = REGISTRY.get(str(name).lower())
+    if cls is None:
+        _load_builtin()
+        cls = REGISTRY.get(str(name).lower())
+    if cls is None:
+        raise StrategyError(f"{where}unknown strategy {name!r}; known: {', '.join(sorted(REGISTRY)) or 'none'}")
+    try:
+        return cls(**fields)
+    except ValidationError as err:
+        raise StrategyError(_describe(err, f"{where}{name}.")) from None
+
+
+def build_strategies(specs: Any) -> list[Strategy]:
+    """Build a list of strategies (``None`` and ``[]`` are plain decoding)."""
+    if specs is None:
+        return []
+    if isinstance(specs, (Strategy, str, dict)):
+        specs = [specs]
+    return [build_strategy(s, where=f"strategies[{i}].") for i, s in enumerate(specs)]
