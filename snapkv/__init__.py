@@ -1,0 +1,25 @@
+"""SnapKV prompt compression and its variants/baselines, as ``accel`` prompt compressors.
+
+Importing the package registers ``snapkv``, ``ada_snapkv``, ``streaming_llm`` and ``h2o``.
+"""
+
+from .ada import AdaSnapKV
+from .base import ScoredCompressor
+from .h2o import H2O
+from .scoring import pool_scores, prefix_scores, reduce_gqa, select_topk, snapkv_indices, window_scores
+from .snapkv import SnapKV
+from .streaming import StreamingLLM
+
+__all__ = [
+    "SnapKV",
+    "AdaSnapKV",
+    "StreamingLLM",
+    "H2O",
+    "ScoredCompressor",
+    "window_scores",
+    "pool_scores",
+    "reduce_gqa",
+    "select_topk",
+    "prefix_scores",
+    "snapkv_indices",
+]

@@ -1,0 +1,84 @@
+"""SnapKV on the shared cache of a tiny model: budgets held, no-op when it should be, stats."""
+
+import pytest
+import torch
+
+import accel
+from accel import adapter
+from accel.cache import SharedCache
+from accel.engine import prefill
+from helpers import TINY_VOCAB, make_tiny_model
+from snapkv import H2O, SnapKV, StreamingLLM
+from snapkv.scoring import snapkv_indices
+
+
+def _ids(n, seed=0):
+    return torch.randint(2, TINY_VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("strategy", [SnapKV(budget=20, window=4, kernel=3), StreamingLLM(sink=4, recent=16),
+                                      H2O(budget=20)])
+def test_each_layer_holds_exactly_budget_entries_per_kv_head(strategy):
+    model = make_tiny_model(num_kv_heads=2)
+    cache = SharedCache(adapter.geometry(model).num_layers)
+    with torch.inference_mode():
+        prefill(model, cache, _ids(64), strategy)
+    for layer in range(cache.num_layers):
+        assert cache.keys(layer).shape == (1, 2, 20, 16)
+        assert cache.physical_length(layer) == 20
+    assert cache.logical_length == 64
+
+
+def test_kept_entries_are_the_snapkv_selection():
+    """The cache holds exactly the keys SnapKV scores highest, computed from the layer's own queries."""
+    model = make_tiny_model(seed=2)
+    ids = _ids(50, seed=3)
+    strat = SnapKV(budget=12, window=4, kernel=3)
+    full, snap, probe = SharedCache(2), SharedCache(2), SharedCache(2)
+    positions = torch.arange(50).unsqueeze(0)
+    captured = {}
+    with torch.inference_mode():
+        prefill(model, full, ids, None)
+        prefill(model, snap, ids, strat)
+        with adapter.capture_window_queries(model, probe, 4, captured):
+            adapter.backbone_forward(model, ids, positions, SharedCache(2))
+            assert not captured  # the hooks only act on forwards that carry their own cache
+            adapter.backbone_forward(model, ids, positions, probe)
+    for layer in range(2):
+        idx = snapkv_indices(captured[layer], full.keys(layer), 12, 4, 3, "max", strat.gqa)
+        expect = full.keys(layer).gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, 16))
+        assert torch.allclose(snap.keys(layer), expect)
+
+
+def test_budget_at_least_prompt_length_is_identical_to_no_strategy():
+    model = make_tiny_model(seed=4)
+    ids = _ids(30, seed=5)
+    plain = accel.generate(model, ids, max_new_tokens=15, eos_token_id=[])
+    same = accel.generate(model, ids, strategies=[SnapKV(budget=30, window=4)], max_new_tokens=15, eos_token_id=[])
+    assert torch.equal(plain.sequences, same.sequences)
+    assert same.stats.kv_bytes_kept == plain.stats.kv_bytes_kept
+
+
+def test_kv_bytes_full_and_kept():
+    model = make_tiny_model()
+    ids = _ids(100, seed=6)
+    res = accel.generate(model, ids, strategies=[SnapKV(budget=24, window=4)], max_new_tokens=11, eos_token_id=[])
+    per_token = 2 * 2 * 2 * 16 * 4  # layers * (K, V) * kv heads * head_dim * fp32
+    # the last generated token is never fed back, so 100 + 10 tokens have KV
+    assert res.stats.kv_bytes_full == 110 * per_token
+    assert res.stats.kv_bytes_kept == (24 + 10) * per_token
+
+
+def test_compression_works_with_eager_attention():
+    model = make_tiny_model(seed=7, attn_implementation="eager")
+    ids = _ids(40, seed=8)
+    sdpa = make_tiny_model(seed=7)
+    a = accel.generate(model, ids, strategies=[SnapKV(budget=16, window=4)], max_new_tokens=12, eos_token_id=[])
+    b = accel.generate(sdpa, ids, strategies=[SnapKV(budget=16, window=4)], max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(a.sequences, b.sequences)
+
+
+def test_ratio_keeps_that_fraction():
+    model = make_tiny_model()
+    res = accel.generate(model, _ids(80), strategies=[SnapKV(ratio=0.25, window=4)], max_new_tokens=1, eos_token_id=[])
+    assert res.stats.kv_bytes_kept * 4 == res.stats.kv_bytes_full
