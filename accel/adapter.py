@@ -34,6 +34,7 @@ __all__ = [
     "output_logits",
     "make_warpers",
     "capture_window_queries",
+    "per_layer_masks",
     "default_eos",
 ]
 
@@ -252,11 +253,42 @@ def capture_window_queries(model: PreTrainedModel, cache: Cache, window: int, si
         return
 
     def hook(module, args, kwargs):
-        if kwargs.get("cache", kwargs.get("past_key_values")) is not cache:
+        if _forward_cache(kwargs) is not cache:
             return None
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         sink[module.layer_idx] = _window_queries(module, hidden, kwargs["position_embeddings"], window)
         return None
+
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _forward_cache(kwargs: dict) -> Any:
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+@contextmanager
+def per_layer_masks(model: PreTrainedModel, cache: Any) -> Iterator[None]:
+    """While active, each attention layer of a forward that carries ``cache`` gets the mask
+    ``cache.layer_mask(layer_idx, mask, q_len, groups, dtype)`` instead of the shared one.
+
+    Needed when layers hold different numbers of entries or padded ones (per-head budgets):
+    transformers builds one mask for all layers.
+    """
+
+    def hook(module, args, kwargs):
+        if _forward_cache(kwargs) is not cache:
+            return None
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        groups = module.config.num_attention_heads // module.config.num_key_value_heads
+        kwargs["attention_mask"] = cache.layer_mask(
+            module.layer_idx, kwargs.get("attention_mask"), hidden.shape[1], groups, hidden.dtype
+        )
+        return args, kwargs
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
     try:

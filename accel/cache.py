@@ -30,7 +30,8 @@ __all__ = ["SharedCache"]
 # Entries appended beyond the current need when a buffer grows, so a decode step rarely copies.
 _GROW = 256
 
-PrefillHook = Callable[[int, torch.Tensor, torch.Tensor], "torch.Tensor | None"]
+# (layer_idx, keys, values) -> (indices [B, H_kv, K], valid [B, H_kv, K] | None) or None
+PrefillHook = Callable[[int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None] | None"]
 
 
 class SharedCache(TransformersCache):
@@ -47,8 +48,12 @@ class SharedCache(TransformersCache):
         self._v: list[torch.Tensor | None] = [None] * num_layers
         self._len = [0] * num_layers  # physical entries per layer
         self._pending = [0] * num_layers  # entries appended since the last commit
+        self._valid: list[torch.Tensor | None] = [None] * num_layers  # [B, H_kv, K] of selected entries
         self.logical_length = 0
         self.prefill_hook: PrefillHook | None = None
+        # True once some layer holds padded entries (per-head budgets): attention then needs
+        # a per-layer mask, see :meth:`layer_mask`.
+        self.ragged = False
 
     # ------------------------------------------------------------------ lengths and bytes
 
@@ -102,11 +107,13 @@ class SharedCache(TransformersCache):
         if self.prefill_hook is not None and self._len[layer_idx] == 0:
             # Prefill of an empty layer: the layer attends to the full prompt, but only the
             # selected entries are stored, so each layer is compressed before the next runs.
-            indices = self.prefill_hook(layer_idx, keys, values)
-            if indices is not None:
-                self._put(layer_idx, *self._gather(keys, values, indices))
-            else:
+            selection = self.prefill_hook(layer_idx, keys, values)
+            if selection is None:
                 self._put(layer_idx, keys, values)
+            else:
+                indices, valid = selection
+                self._put(layer_idx, *self._gather(keys, values, indices))
+                self._set_valid(layer_idx, valid)
             return keys, values
         self._put(layer_idx, keys, values)
         self._pending[layer_idx] += keys.shape[2]
@@ -119,14 +126,53 @@ class SharedCache(TransformersCache):
 
     # ------------------------------------------------------------------ operations
 
-    def select(self, layer_idx: int, indices: torch.Tensor) -> None:
+    def _set_valid(self, layer_idx: int, valid: torch.Tensor | None) -> None:
+        if valid is not None and not bool(valid.all()):
+            self._valid[layer_idx] = valid.bool()
+            self.ragged = True
+        else:
+            self._valid[layer_idx] = None
+
+    def select(self, layer_idx: int, indices: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """Keep only ``indices`` [B, H_kv, K] (positions into the layer's stored entries,
-        ascending per head) of one layer. Every KV head keeps K entries."""
+        ascending per head) of one layer.
+
+        Every KV head stores K entries; with ``valid`` [B, H_kv, K] some of them are padding
+        (heads keeping fewer than K), masked out of attention by :meth:`layer_mask`.
+        """
         if self._pending[layer_idx]:
             raise RuntimeError("select() on a layer with uncommitted entries; commit() first")
         k, v = self._gather(self.keys(layer_idx), self.values(layer_idx), indices)
         self._k[layer_idx], self._v[layer_idx], self._len[layer_idx] = None, None, 0
         self._put(layer_idx, k, v)
+        self._set_valid(layer_idx, valid)
+
+    def layer_mask(self, layer_idx: int, mask: torch.Tensor | None, q_len: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive attention mask of one layer for ``q_len`` new tokens, when layers
+        differ in length or hold padding.
+
+        mask: the forward's shared mask, [1, 1, q_len, P0 + q_len] or None (then the new
+            tokens are one, or causal among themselves); only its last q_len columns (the
+            new tokens' part) are used.
+        groups: query heads per KV head. Returns [B, H_q, q_len, P + q_len], P being this
+        layer's committed entries.
+        """
+        past = self.committed_length(layer_idx)
+        like = self._k[layer_idx]
+        b, h = like.shape[:2]
+        low = torch.finfo(dtype).min
+        prefix = torch.zeros((b, h, past), dtype=dtype, device=like.device)
+        valid = self._valid[layer_idx]
+        if valid is not None:
+            prefix[:, :, : valid.shape[2]].masked_fill_(~valid, low)
+        prefix = prefix.repeat_interleave(groups, dim=1).unsqueeze(2).expand(-1, -1, q_len, -1)
+        if mask is not None:
+            new = mask[..., -q_len:].to(dtype)
+        else:
+            new = torch.zeros((q_len, q_len), dtype=dtype, device=like.device)
+            new.masked_fill_(torch.ones_like(new, dtype=torch.bool).triu(1), low)
+        new = new.expand(b, h * groups, q_len, q_len)
+        return torch.cat([prefix, new], dim=-1)
 
     def commit(self, keep: torch.Tensor | list[int] | None = None, advance: int | None = None) -> None:
         """Keep the appended entries at offsets ``keep`` (relative to the first entry

@@ -9,6 +9,7 @@ Plain decoding is the same loop with a root-only tree.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -119,11 +120,7 @@ def prefill(model, cache: SharedCache, prompt: torch.Tensor, compressor: PromptC
 
         def hook(layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
             sel = compressor.select(layer_idx, queries.pop(layer_idx, None), keys, values)
-            if sel is None:
-                return None
-            if sel.valid is not None and not bool(sel.valid.all()):
-                raise NotImplementedError(f"{compressor.name}: per-head variable budgets are not supported by this cache")
-            return sel.indices
+            return None if sel is None else (sel.indices, sel.valid)
 
         cache.prefill_hook = hook
     try:
@@ -229,31 +226,33 @@ def decode(
     last_hidden = hidden[0] if plan.needs_hidden else None
 
     t1 = time.perf_counter()
-    while len(generated) < max_new_tokens and generated[-1] not in eos_set:
-        ctx = DraftContext(tokens=tokens, hidden=last_hidden, max_tokens=max_draft)
-        tree, source = propose(plan, states, ctx)
-        hidden = verify(model, cache, tree, geo.dtype)
-        acc = accept(tree, adapter.output_logits(model, hidden), warp, plan.rule, generator)
-        commit(cache, acc)
+    masks = adapter.per_layer_masks(model, cache) if cache.ragged else contextlib.nullcontext()
+    with masks:
+        while len(generated) < max_new_tokens and generated[-1] not in eos_set:
+            ctx = DraftContext(tokens=tokens, hidden=last_hidden, max_tokens=max_draft)
+            tree, source = propose(plan, states, ctx)
+            hidden = verify(model, cache, tree, geo.dtype)
+            acc = accept(tree, adapter.output_logits(model, hidden), warp, plan.rule, generator)
+            commit(cache, acc)
 
-        new = [int(tree.tokens[j]) for j in acc.path[1:]] + [acc.next_token]
-        for i, t in enumerate(new):
-            if t in eos_set:
-                new = new[: i + 1]
-                break
-        new = new[: max_new_tokens - len(generated)]
-        generated.extend(new)
-        stats.decode_tokens += len(new)
-        tokens = torch.cat([tokens, tokens.new_tensor(new)])
+            new = [int(tree.tokens[j]) for j in acc.path[1:]] + [acc.next_token]
+            for i, t in enumerate(new):
+                if t in eos_set:
+                    new = new[: i + 1]
+                    break
+            new = new[: max_new_tokens - len(generated)]
+            generated.extend(new)
+            stats.decode_tokens += len(new)
+            tokens = torch.cat([tokens, tokens.new_tensor(new)])
 
-        stats.verify_steps += 1
-        stats.drafted_tokens += len(tree.tokens) - 1
-        stats.accepted_tokens += acc.accepted
-        stats.accepted_per_step.append(acc.accepted)
-        if plan.drafters:
-            _feedback(plan, states, source, acc, len(tree.tokens) - 1)
-        if last_hidden is not None:
-            last_hidden = hidden[acc.path[-1]]
+            stats.verify_steps += 1
+            stats.drafted_tokens += len(tree.tokens) - 1
+            stats.accepted_tokens += acc.accepted
+            stats.accepted_per_step.append(acc.accepted)
+            if plan.drafters:
+                _feedback(plan, states, source, acc, len(tree.tokens) - 1)
+            if last_hidden is not None:
+                last_hidden = hidden[acc.path[-1]]
     stats.decode_s = time.perf_counter() - t1
 
     stats.new_tokens = len(generated)

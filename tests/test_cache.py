@@ -80,7 +80,7 @@ def test_prefill_hook_stores_selection_but_returns_full_entries():
 
     def hook(layer, keys, values):
         seen[layer] = keys.shape[2]
-        return torch.tensor([[[1, 3], [0, 4]]])
+        return torch.tensor([[[1, 3], [0, 4]]]), None
 
     c.prefill_hook = hook
     keys, _ = c._store(0, *kv(t=5))

@@ -82,3 +82,73 @@ def test_ratio_keeps_that_fraction():
     model = make_tiny_model()
     res = accel.generate(model, _ids(80), strategies=[SnapKV(ratio=0.25, window=4)], max_new_tokens=1, eos_token_id=[])
     assert res.stats.kv_bytes_kept * 4 == res.stats.kv_bytes_full
+
+
+def _ada_cache(model, ids, strategy):
+    cache = SharedCache(adapter.geometry(model).num_layers)
+    with torch.inference_mode():
+        prefill(model, cache, ids, strategy)
+    return cache
+
+
+def test_ada_snapkv_stores_uneven_heads_with_padding_masked_out():
+    from snapkv import AdaSnapKV
+
+    model = make_tiny_model(seed=8)
+    ids = _ids(96, seed=9)
+    strat = AdaSnapKV(budget=24, window=4, kernel=3, alpha=0.2)
+    cache = _ada_cache(model, ids, strat)
+    assert cache.ragged
+    valid = [cache._valid[layer] for layer in range(2)]
+    counts = [v.sum(-1) if v is not None else None for v in valid]
+    for layer, c in enumerate(counts):
+        if c is not None:
+            assert int(c.sum()) == 24 * 2  # same total as SnapKV over the 2 KV heads
+    assert any(c is not None and c.min() < c.max() for c in counts)
+    # less stored than the full prompt
+    assert all(cache.physical_length(layer) < 96 for layer in range(2))
+
+    # padded entries must not influence attention: scramble them, the output stays
+    def run(scramble):
+        c = _ada_cache(model, ids, strat)
+        if scramble:
+            c._k = [k.clone() for k in c._k]  # inference tensors are read-only outside inference_mode
+            c._v = [v.clone() for v in c._v]
+            for layer in range(2):
+                if c._valid[layer] is not None:
+                    pad = ~c._valid[layer]
+                    k = c._k[layer][:, :, : pad.shape[2]]
+                    k[pad] = 50.0
+                    c._v[layer][:, :, : pad.shape[2]][pad] = -30.0
+        from accel.engine import verify
+        from speculative import DraftTree
+
+        tree = DraftTree.chain(5, [6, 7, 8])
+        with torch.inference_mode(), adapter.per_layer_masks(model, c):
+            return verify(model, c, tree, torch.float32)
+
+    assert torch.allclose(run(False), run(True), atol=1e-5)
+
+
+def test_ada_with_full_floor_equals_snapkv():
+    from snapkv import AdaSnapKV
+
+    model = make_tiny_model(seed=10)
+    ids = _ids(80, seed=11)
+    a = accel.generate(model, ids, strategies=[AdaSnapKV(budget=20, window=4, kernel=3, alpha=1.0)], max_new_tokens=12, eos_token_id=[])
+    s = accel.generate(model, ids, strategies=[SnapKV(budget=20, window=4, kernel=3)], max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(a.sequences, s.sequences)
+
+
+def test_drafters_on_an_ada_cache_are_exact():
+    from snapkv import AdaSnapKV
+    from speculative import PromptLookup
+
+    model = make_tiny_model(seed=12)
+    base = torch.randint(2, TINY_VOCAB, (20,), generator=torch.Generator().manual_seed(4))
+    ids = base.repeat(5).unsqueeze(0)
+    ada = [AdaSnapKV(budget=24, window=4, kernel=3)]
+    ref = accel.generate(model, ids, strategies=ada, max_new_tokens=30, eos_token_id=[])
+    out = accel.generate(model, ids, strategies=ada + [PromptLookup()], max_new_tokens=30, eos_token_id=[])
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.verify_steps < ref.stats.verify_steps
