@@ -32,9 +32,10 @@ test: venv
 test-fast: venv
 	$(PY) -m pytest -q -m "not real_model"
 
+# Every method once on the default model (a few minutes on 2 CPU cores); prints the summary.
 demo: venv
-	$(VENV)/bin/accel generate "What is the capital of France?" --max-new-tokens 32
-	$(VENV)/bin/accel generate "What is the capital of France?" --max-new-tokens 32 --strategy prompt_lookup
+	$(VENV)/bin/accel bench configs/quickstart.yaml --out runs/quickstart
+	cat runs/quickstart/summary.md
 
 clean:
 	rm -rf build dist *.egg-info .pytest_cache

@@ -9,6 +9,7 @@ should be this file's work alone.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 from contextlib import contextmanager
@@ -147,8 +148,10 @@ class TransformersCache(Cache):
 # --------------------------------------------------------------------------- forward
 
 
-def _cache_kwarg(decoder: torch.nn.Module) -> str:
-    params = inspect.signature(decoder.forward).parameters
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(decoder_cls: type) -> str:
+    """transformers renamed ``past_key_values`` to ``cache`` during 5.x."""
+    params = inspect.signature(decoder_cls.forward).parameters
     return "cache" if "cache" in params else "past_key_values"
 
 
@@ -167,7 +170,7 @@ def backbone_forward(
     Returns the final (normed) hidden states [B, T, H].
     """
     decoder = model.get_decoder()
-    kwargs = {_cache_kwarg(decoder): cache}
+    kwargs = {_cache_kwarg(type(decoder)): cache}
     out = decoder(
         input_ids=input_ids,
         position_ids=position_ids,

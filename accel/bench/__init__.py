@@ -1,0 +1,141 @@
+"""YAML-configured speed-up experiments: ``accel bench CONFIG.yaml [--out DIR] [--set k=v]``.
+
+Layout:
+
+- :mod:`.schema`: the experiment file (pydantic), ``--set`` overrides, :class:`ConfigError`.
+- :mod:`.tasks`: needle / long_doc / chat items, generated from the seed (nothing downloaded).
+- :mod:`.runner`: configurations (HF baselines and accel runs), the warmed-up, interleaved grid.
+- :mod:`.report`: summary.md and the PNG plots.
+
+Outputs, in the output folder: ``results.jsonl`` (one row per run), ``summary.md``,
+``speedup_vs_length.png``, ``needle_<task>.png``, ``accepted_per_step.png``, and
+``experiment.json`` (the validated experiment, overrides applied).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .schema import ConfigError, Experiment, load_config
+
+__all__ = ["run_cli", "run_experiment", "load_config", "ConfigError", "Experiment"]
+
+
+def run_experiment(
+    config: Experiment | str | Path,
+    out: str | Path | None = None,
+    *,
+    model: Any = None,
+    tokenizer: Any = None,
+    command: str | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Run an experiment and write its outputs; returns the output folder.
+
+    ``config``: a validated :class:`Experiment` or the path of an experiment file.
+    ``out``: output folder (default: the experiment's ``output``, else ``runs/<name>``).
+    ``model``, ``tokenizer``: an already-loaded pair to use instead of loading
+    ``config.model`` (tests pass a tiny random model and a toy tokenizer this way).
+    Everything that can fail before the grid (model, device, prompt lengths) is checked
+    before the output folder is created.
+    """
+    import torch
+
+    experiment = config if isinstance(config, Experiment) else load_config(config)
+    out = Path(out if out is not None else (experiment.output or Path("runs") / (experiment.name or "bench")))
+    threads = torch.get_num_threads()
+    if experiment.threads is not None:
+        torch.set_num_threads(experiment.threads)
+    try:
+        return _run(experiment, out, model, tokenizer, command, quiet)
+    finally:
+        torch.set_num_threads(threads)  # leave the process as we found it
+
+
+def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command: str | None, quiet: bool) -> Path:
+    import torch
+
+    from . import report, runner, tasks
+
+    torch.manual_seed(experiment.seed)
+    if model is None:
+        from ..models import load_model
+
+        device = torch.device(experiment.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
+        model, loaded_tok = load_model(experiment.model, dtype=getattr(torch, experiment.dtype), device=device)
+        tokenizer = tokenizer if tokenizer is not None else loaded_tok
+    if tokenizer is None:
+        raise ValueError(f"model {experiment.model!r} comes without a tokenizer; the bench tasks need one")
+
+    items = tasks.build_items(experiment, tokenizer)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit:
+        too_long = [i for i in items if i.prompt_tokens + experiment.generation.max_new_tokens > limit]
+        if too_long:
+            worst = max(too_long, key=lambda i: i.prompt_tokens)
+            raise ValueError(
+                f"{len(too_long)} item(s) need more positions than the model has ({limit}): e.g. "
+                f"{worst.task}/{worst.item_id} has {worst.prompt_tokens} prompt tokens + "
+                f"{experiment.generation.max_new_tokens} new tokens; use shorter lengths"
+            )
+    configs = runner.build_configurations(experiment, model, tokenizer)
+    ref = next(c for c in configs if c.name == experiment.reference)
+    if ref.unavailable:
+        raise ValueError(f"reference {ref.name!r} is unavailable: {ref.unavailable}")
+
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("needle_*.png"), out / "speedup_vs_length.png", out / "accepted_per_step.png"]:
+        stale.unlink(missing_ok=True)  # plots of an earlier run that this one may not redraw
+    (out / "experiment.json").write_text(json.dumps(experiment.model_dump(mode="json"), indent=2) + "\n")
+    started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    t0 = time.perf_counter()
+    rows = runner.run_grid(experiment, model, tokenizer, configs, items, out / "results.jsonl", quiet=quiet)
+    wall = time.perf_counter() - t0
+
+    meta = {
+        "experiment": experiment.model_dump(mode="json"),
+        "machine": runner.machine_info(model, experiment),
+        "command": command or f"accel bench <{experiment.name}>",
+        "started": started,
+        "wall_s": wall,
+        "configurations": [
+            {"name": c.name, "kind": c.kind, "spec": c.spec, "unavailable": c.unavailable} for c in configs
+        ],
+    }
+    plots = report.write_plots(rows, experiment.reference, out)
+    report.write_summary(out / "summary.md", rows, meta, plots)
+    (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out
+
+
+def _command(args: Any) -> str:
+    parts = ["accel", "bench", args.config]
+    if args.out:
+        parts += ["--out", args.out]
+    for item in args.set or []:
+        parts += ["--set", item]
+    return " ".join(shlex.quote(p) for p in parts)
+
+
+def run_cli(args: Any) -> int:
+    """``accel bench``: validate the file (nothing written if it is wrong), run, report."""
+    try:
+        experiment = load_config(args.config, list(args.set or []))
+    except ConfigError as err:
+        n = len(err.problems)
+        print(f"accel bench: {args.config} is not a valid experiment ({n} problem{'s' * (n != 1)}):", file=sys.stderr)
+        print(str(err), file=sys.stderr)
+        return 2
+    out = run_experiment(experiment, args.out, command=_command(args))
+    rows = sum(1 for _ in open(out / "results.jsonl", encoding="utf-8"))
+    plots = sorted(p.name for p in out.glob("*.png"))
+    print(f"accel bench: wrote {out / 'results.jsonl'} ({rows} rows), {out / 'summary.md'}"
+          + (f", plots: {', '.join(plots)}" if plots else ""), file=sys.stderr)
+    return 0

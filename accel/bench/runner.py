@@ -1,0 +1,457 @@
+"""Running the grid: configurations x task items x repeats, warmed up and interleaved.
+
+What is measured (all wall-clock, ``time.perf_counter``, under ``torch.inference_mode``):
+
+- accel runs (``accel.generate``): ``prefill_s`` and ``decode_s`` come from
+  :class:`accel.engine.Stats` (prefill = prompt forward + first token; decode = every verify
+  step after it); ``decode_tok_s = stats.decode_tokens / stats.decode_s``; ``e2e_s`` is the
+  whole ``accel.generate`` call.
+- HF baselines (``model.generate``): ``e2e_s`` is the whole call. A streamer timestamps
+  the first new token(s): ``prefill_s`` is the time from the call to that moment (for
+  ``hf_prompt_lookup`` the first forward also verifies the first draft, as transformers
+  merges them), ``decode_s = e2e_s - prefill_s`` and ``decode_tok_s`` counts the tokens
+  after the first ones. Each later streamer chunk is one verify step, which gives
+  ``accepted_per_step`` (chunk length - 1) for prompt lookup too.
+- ``peak_rss_mib``: the process's peak resident memory during the call (the kernel's
+  high-water mark, reset before each call; a sampling thread where that is not possible),
+  model weights included. ``peak_gpu_mib`` on CUDA: ``torch.cuda.max_memory_allocated``.
+- KV bytes: accel's own count of kept vs full entries; baselines keep everything
+  (``prompt + new - 1`` entries of ``adapter.geometry(model).entry_bytes()``).
+
+Order: one untimed warm-up per configuration on the first item, then for each repeat r and
+item i every configuration once, in the configuration order rotated by ``r + i`` so slow
+drift of a shared machine spreads over all configurations.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .. import adapter
+from ..strategy import Strategy, build_strategies
+from .schema import Experiment, HFGenerate, HFPromptLookup, KVPressSnapKV
+from .tasks import TaskItem, score
+
+__all__ = ["Configuration", "Measurement", "build_configurations", "run_grid", "PeakMemory"]
+
+
+@dataclass
+class Measurement:
+    """One timed generation."""
+
+    new_ids: list[int]
+    prefill_s: float
+    decode_s: float
+    e2e_s: float
+    decode_tokens: int  # tokens after the first one(s) that came with the prefill
+    verify_steps: int
+    accepted_per_step: list[int]
+    kv_bytes_full: int
+    kv_bytes_kept: int
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        """Tokens per verify step, bonus included (1.0 for plain decoding)."""
+        if not self.verify_steps:
+            return None
+        return (sum(self.accepted_per_step) + self.verify_steps) / self.verify_steps
+
+
+@dataclass
+class Configuration:
+    """A named way to generate: an HF baseline or an accel run."""
+
+    name: str
+    kind: str  # "baseline" | "run"
+    spec: str  # human-readable strategies / call
+    drafts: bool
+    generate: Callable[[TaskItem, int], Measurement] | None
+    unavailable: str | None = None  # why it cannot run here, or None
+
+
+# --------------------------------------------------------------------------- memory
+
+
+class PeakMemory:
+    """Peak resident memory (MiB) of this process during a ``with`` block.
+
+    Linux: resets the kernel's high-water mark (``/proc/self/clear_refs``) and reads
+    ``VmHWM`` afterwards. Elsewhere, or if that is refused, a thread samples ``psutil``'s RSS
+    every 5 ms.
+    """
+
+    def __init__(self) -> None:
+        self.peak_mib: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._samples: list[int] = []
+
+    @staticmethod
+    def _hwm_kib() -> int | None:
+        try:
+            with open("/proc/self/status") as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    @staticmethod
+    def _reset_hwm() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+            return True
+        except OSError:
+            return False
+
+    def __enter__(self) -> "PeakMemory":
+        self._kernel = self._reset_hwm() and self._hwm_kib() is not None
+        if not self._kernel:
+            import psutil
+
+            proc = psutil.Process()
+
+            def sample() -> None:
+                while not self._stop.is_set():
+                    self._samples.append(proc.memory_info().rss)
+                    self._stop.wait(0.005)
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._kernel:
+            kib = self._hwm_kib()
+            self.peak_mib = kib / 1024 if kib is not None else None
+        else:
+            self._stop.set()
+            assert self._thread is not None
+            self._thread.join()
+            self.peak_mib = max(self._samples) / 2**20 if self._samples else None
+
+
+# --------------------------------------------------------------------------- configurations
+
+
+class _FirstTokenTimer:
+    """A transformers streamer that timestamps each chunk of new tokens.
+
+    ``model.generate`` puts the prompt first, then the new tokens chunk by chunk (one token
+    per step for greedy decoding, accepted drafts + 1 per step for assisted decoding).
+    """
+
+    def __init__(self) -> None:
+        self.t0 = 0.0
+        self.chunks: list[tuple[float, int]] = []  # (time since t0, tokens in chunk)
+        self._prompt_seen = False
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.chunks.append((time.perf_counter() - self.t0, int(value.numel())))
+
+    def end(self) -> None:
+        pass
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _hf_generate(model: Any, eos: list[int], pad: int, extra: dict[str, Any]) -> Callable[[TaskItem, int], Measurement]:
+    geo = adapter.geometry(model)
+
+    def run(item: TaskItem, max_new_tokens: int) -> Measurement:
+        ids = item.input_ids.to(geo.device)
+        timer = _FirstTokenTimer()
+        _sync(geo.device)
+        timer.start()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None, pad_token_id=pad, streamer=timer, **extra,
+        )
+        _sync(geo.device)
+        e2e = time.perf_counter() - timer.t0
+        new = out[0, ids.shape[1]:].tolist()
+        if eos and new:  # model.generate pads finished rows; cut after the first eos
+            for k, t in enumerate(new):
+                if t in eos:
+                    new = new[: k + 1]
+                    break
+        first_t, first_n = timer.chunks[0] if timer.chunks else (e2e, len(new))
+        later = timer.chunks[1:]
+        entries = ids.shape[1] + max(len(new) - 1, 0)
+        return Measurement(
+            new_ids=new, prefill_s=first_t, decode_s=e2e - first_t, e2e_s=e2e,
+            decode_tokens=max(len(new) - first_n, 0), verify_steps=len(later),
+            accepted_per_step=[n - 1 for _, n in later],
+            kv_bytes_full=geo.entry_bytes() * entries, kv_bytes_kept=geo.entry_bytes() * entries,
+        )
+
+    return run
+
+
+def _kvpress(model: Any, eos: list[int], pad: int, spec: KVPressSnapKV) -> tuple[Callable | None, str | None]:
+    """kvpress's SnapKVPress around ``model.generate`` (same timing as the HF baselines).
+
+    Optional: kvpress 0.5.5 needs transformers < 5.3 and imports ``datasets``; where it does
+    not import, the baseline is reported unavailable with the reason.
+    """
+    try:
+        from kvpress import SnapKVPress
+    except Exception as err:  # ImportError, or an incompatible transformers API
+        return None, f"kvpress does not import here ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    geo = adapter.geometry(model)
+    plain = _hf_generate(model, eos, pad, {})
+
+    def run(item: TaskItem, max_new_tokens: int) -> Measurement:
+        n = item.prompt_tokens
+        ratio = max(0.0, 1.0 - spec.budget / n)
+        press = SnapKVPress(compression_ratio=ratio, window_size=spec.window, kernel_size=spec.kernel)
+        with press(model):
+            m = plain(item, max_new_tokens)
+        kept = min(spec.budget, n) + max(len(m.new_ids) - 1, 0)
+        m.kv_bytes_kept = geo.entry_bytes() * kept
+        return m
+
+    return run, None
+
+
+def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft: int) -> Callable[[TaskItem, int], Measurement]:
+    import accel
+
+    geo = adapter.geometry(model)
+
+    def run(item: TaskItem, max_new_tokens: int) -> Measurement:
+        ids = item.input_ids.to(geo.device)
+        _sync(geo.device)
+        t0 = time.perf_counter()
+        result = accel.generate(model, ids, strategies=strategies, max_new_tokens=max_new_tokens,
+                                eos_token_id=eos, max_draft_tokens=max_draft)
+        _sync(geo.device)
+        e2e = time.perf_counter() - t0
+        st = result.stats
+        return Measurement(
+            new_ids=result.sequences[0, ids.shape[1]:].tolist(), prefill_s=st.prefill_s, decode_s=st.decode_s,
+            e2e_s=e2e, decode_tokens=st.decode_tokens, verify_steps=st.verify_steps,
+            accepted_per_step=list(st.accepted_per_step), kv_bytes_full=st.kv_bytes_full, kv_bytes_kept=st.kv_bytes_kept,
+        )
+
+    return run
+
+
+def _spec_text(strategies: list[Strategy]) -> str:
+    if not strategies:
+        return "accel, plain decoding"
+    parts = []
+    for s in strategies:
+        fields = ",".join(f"{k}={v}" for k, v in s.model_dump().items() if v is not None)
+        parts.append(f"{s.name}:{fields}" if fields else s.name)
+    return " + ".join(parts)
+
+
+def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> list[Configuration]:
+    """Baselines first, then runs, in file order."""
+    eos = adapter.default_eos(model, tokenizer)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        pad = getattr(model.generation_config, "pad_token_id", None)
+    if pad is None:
+        pad = eos[0] if eos else 0
+    configs = []
+    for b in experiment.baselines:
+        if isinstance(b, HFGenerate):
+            configs.append(Configuration(b.name, "baseline", "model.generate(do_sample=False)", False,
+                                         _hf_generate(model, eos, pad, {})))
+        elif isinstance(b, HFPromptLookup):
+            extra = {"prompt_lookup_num_tokens": b.num_tokens, "max_matching_ngram_size": b.max_ngram}
+            configs.append(Configuration(
+                b.name, "baseline",
+                f"model.generate(do_sample=False, prompt_lookup_num_tokens={b.num_tokens}, "
+                f"max_matching_ngram_size={b.max_ngram})", True, _hf_generate(model, eos, pad, extra)))
+        elif isinstance(b, KVPressSnapKV):
+            fn, why = _kvpress(model, eos, pad, b)
+            configs.append(Configuration(
+                b.name, "baseline", f"kvpress SnapKVPress(budget={b.budget}, window_size={b.window}, "
+                f"kernel_size={b.kernel}) + model.generate", False, fn, why))
+    for name, specs in experiment.runs.items():
+        strategies = build_strategies(specs)
+        configs.append(Configuration(name, "run", _spec_text(strategies), any(s.drafts for s in strategies),
+                                     _accel_run(model, strategies, eos, experiment.generation.max_draft_tokens)))
+    return configs
+
+
+# --------------------------------------------------------------------------- the grid
+
+
+def _agreement(out: list[int], ref: list[int]) -> float:
+    """Fraction of the reference's tokens that ``out`` reproduces as a common prefix."""
+    if not ref:
+        return 1.0 if not out else 0.0
+    n = 0
+    for a, b in zip(out, ref):
+        if a != b:
+            break
+        n += 1
+    return n / len(ref)
+
+
+def _schedule(configs: list[Configuration], items: list[TaskItem], repeats: int) -> Iterator[tuple[int, int, list[Configuration]]]:
+    runnable = [c for c in configs if c.unavailable is None]
+    for r in range(repeats):
+        for i in range(len(items)):
+            k = (r + i) % len(runnable) if runnable else 0
+            yield r, i, runnable[k:] + runnable[:k]
+
+
+@contextmanager
+def _progress(total: int, quiet: bool) -> Iterator[Callable[[str, int], None]]:
+    if quiet:
+        yield lambda desc, advance: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TimeRemainingColumn(), console=Console(stderr=True), transient=False) as progress:
+        tid = progress.add_task("bench", total=total)
+
+        def update(desc: str, advance: int) -> None:
+            progress.update(tid, description=desc, advance=advance)
+
+        yield update
+
+
+def run_grid(
+    experiment: Experiment,
+    model: Any,
+    tokenizer: Any,
+    configs: list[Configuration],
+    items: list[TaskItem],
+    results_path: Path,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
+    """Warm up, run the interleaved grid, append one row per run to ``results_path``."""
+    gen = experiment.generation
+    device = adapter.geometry(model).device
+    runnable = [c for c in configs if c.unavailable is None]
+    warm = runnable if experiment.warmup_tokens > 0 and items else []
+    total = len(warm) + experiment.repeats * len(items) * len(runnable)
+    names = {c.name for c in runnable}
+    rows: list[dict[str, Any]] = []
+
+    with torch.inference_mode(), _progress(total, quiet) as step, open(results_path, "w", encoding="utf-8") as out:
+        for c in warm:
+            step(f"warm-up {c.name}", 0)
+            try:
+                c.generate(items[0], min(experiment.warmup_tokens, gen.max_new_tokens))
+            except Exception:
+                pass  # the timed runs record the error
+            step(f"warm-up {c.name}", 1)
+
+        for r, i, order in _schedule(configs, items, experiment.repeats):
+            item = items[i]
+            group: dict[str, dict[str, Any]] = {}
+            outputs: dict[str, list[int]] = {}
+            for c in order:
+                step(f"r{r} {item.task}/{item.item_id} {c.name}", 0)
+                row = _row(experiment, c, item, r)
+                try:
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    with PeakMemory() as mem:
+                        m = c.generate(item, gen.max_new_tokens)
+                    row.update(_measured(m, mem, device, tokenizer, item))
+                    outputs[c.name] = m.new_ids
+                except Exception as err:  # record and go on: one failure must not lose the grid
+                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                group[c.name] = row
+                step(f"r{r} {item.task}/{item.item_id} {c.name}", 1)
+            ref = outputs.get(experiment.reference) if experiment.reference in names else None
+            for name, row in group.items():
+                if name in outputs and ref is not None:
+                    row["agreement"] = _agreement(outputs[name], ref)
+                    row["exact"] = outputs[name] == ref
+            for c in configs:  # file order, so results.jsonl reads the same whatever the rotation
+                if c.name in group:
+                    out.write(json.dumps(group[c.name]) + "\n")
+                    rows.append(group[c.name])
+            out.flush()
+    return rows
+
+
+def _row(experiment: Experiment, c: Configuration, item: TaskItem, repeat: int) -> dict[str, Any]:
+    return {
+        "experiment": experiment.name, "config": c.name, "config_kind": c.kind, "strategies": c.spec,
+        "drafts": c.drafts, "task": item.task, "kind": item.kind, "item": item.item_id, "repeat": repeat,
+        "meta": item.meta, "prompt_tokens": item.prompt_tokens, "new_tokens": None, "prefill_s": None,
+        "decode_s": None, "decode_tok_s": None, "e2e_s": None, "verify_steps": None, "mean_accepted": None,
+        "accepted_per_step": None, "kv_bytes_kept": None, "kv_bytes_full": None, "peak_rss_mib": None,
+        "peak_gpu_mib": None, "correct": None, "score": None, "agreement": None, "exact": None, "text": None,
+        "error": None,
+    }
+
+
+def _measured(m: Measurement, mem: PeakMemory, device: torch.device, tokenizer: Any, item: TaskItem) -> dict[str, Any]:
+    text = tokenizer.decode(m.new_ids, skip_special_tokens=True)
+    correct, sc = score(item, text)
+    return {
+        "new_tokens": len(m.new_ids), "prefill_s": m.prefill_s, "decode_s": m.decode_s,
+        "decode_tok_s": m.decode_tok_s, "e2e_s": m.e2e_s, "verify_steps": m.verify_steps,
+        "mean_accepted": m.mean_accepted, "accepted_per_step": m.accepted_per_step,
+        "kv_bytes_kept": m.kv_bytes_kept, "kv_bytes_full": m.kv_bytes_full, "peak_rss_mib": mem.peak_mib,
+        "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "correct": correct, "score": sc, "text": text,
+    }
+
+
+def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:
+    """What the run ran on, for summary.md and results."""
+    import platform
+
+    import transformers
+
+    from ..models import DEFAULT_MODEL_NAME
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__, "device": str(adapter.geometry(model).device),
+        "gpu": torch.cuda.get_device_name(adapter.geometry(model).device)
+        if adapter.geometry(model).device.type == "cuda" else None,
+        "model": experiment.model, "model_class": type(model).__name__,
+        "model_name": DEFAULT_MODEL_NAME if experiment.model == "default" else (getattr(model.config, "name_or_path", "") or ""),
+        "parameters": sum(p.numel() for p in model.parameters()), "dtype": experiment.dtype,
+    }
+    return info

@@ -1,0 +1,399 @@
+"""The experiment file: pydantic models, ``--set`` overrides, and one clean error message.
+
+An experiment YAML names the model, the tasks (generated in the repo, never downloaded),
+the configurations to compare (named ``runs`` of strategies, validated by the same registry
+as :func:`accel.generate`, and HF ``baselines``), generation settings, repeats, seed and
+output folder. :func:`load_config` validates the whole file and reports *every* problem in
+one :class:`ConfigError`, one line per problem::
+
+    configs/bad.yaml: runs.snapkv_small[0]: snapkv.budget: Input should be greater than 0
+    configs/bad.yaml: runs.snapkv_small[0]: snapkv.windw: Extra inputs are not permitted
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "Experiment",
+    "NeedleTask",
+    "LongDocTask",
+    "ChatTask",
+    "Generation",
+    "HFGenerate",
+    "HFPromptLookup",
+    "KVPressSnapKV",
+    "BASELINE_NAMES",
+    "load_config",
+    "apply_overrides",
+]
+
+
+class ConfigError(ValueError):
+    """An experiment file is wrong. ``str(err)`` is one line per problem:
+    ``"<file>: <field.path>: <reason>"``; ``err.problems`` lists the lines."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+
+_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+class NeedleTask(_Model):
+    """Needle in a haystack (pass-key retrieval): a seeded filler text with
+    "The pass key is NNNNN. Remember it." at a depth fraction, then "What is the pass key?".
+    Correct when the pass key's digits appear in the answer."""
+
+    kind: Literal["needle"] = "needle"
+    name: str | None = None
+    """Task name in tables and plots (default: the kind)."""
+    lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1024, 2048, 4096], min_length=1)
+    """Target prompt lengths in tokens of the model's tokenizer, chat template included."""
+    depths: list[Annotated[float, Field(ge=0, le=1)]] = Field(default_factory=lambda: [0.1, 0.5, 0.9], min_length=1)
+    """Where the needle goes: 0 = start of the haystack, 1 = end."""
+    samples: int = Field(1, gt=0)
+    """Items per (length, depth) cell, each with its own haystack and pass key."""
+
+
+class LongDocTask(_Model):
+    """A generated report (named sections, people, numbers, lists) and an instruction about it:
+    ``repeat`` (copy one section verbatim), ``extract`` (list every person named) or
+    ``summarise``."""
+
+    kind: Literal["long_doc"] = "long_doc"
+    name: str | None = None
+    """Task name in tables and plots (default: the kind)."""
+    instructions: list[Literal["repeat", "extract", "summarise"]] = Field(
+        default_factory=lambda: ["repeat", "extract", "summarise"], min_length=1
+    )
+    """Which instructions to ask, one item each per document."""
+    lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1000, 2000, 4000], min_length=1)
+    """Target prompt lengths in tokens (the document fills all but the instruction)."""
+    documents: int = Field(1, gt=0)
+    """Different documents per length."""
+    repeat_section: float = Field(0.0, ge=0, le=1)
+    """Which section ``repeat`` asks for, as a fraction of the document: 0 = the first
+    section, 0.5 = the middle one, 1 = the last (small models tend to copy the first)."""
+
+
+class ChatTask(_Model):
+    """Short chat prompts: the ~20 shipped in ``accel/bench/prompts.py``, or a text file of
+    your own with one prompt per line. No reference answer: scored by agreement only."""
+
+    kind: Literal["chat"] = "chat"
+    name: str | None = None
+    """Task name in tables and plots (default: the kind)."""
+    prompts: int | None = Field(None, gt=0)
+    """Use the first N prompts (default: all)."""
+    file: str | None = None
+    """A UTF-8 text file, one prompt per line (relative to the experiment file)."""
+
+
+Task = Annotated[Union[NeedleTask, LongDocTask, ChatTask], Field(discriminator="kind")]
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+class HFGenerate(_Model):
+    """``model.generate(ids, do_sample=False, max_new_tokens=...)``: plain greedy decoding."""
+
+    name: Literal["hf_generate"] = "hf_generate"
+
+
+class HFPromptLookup(_Model):
+    """``model.generate(..., prompt_lookup_num_tokens=num_tokens)``: transformers' prompt lookup."""
+
+    name: Literal["hf_prompt_lookup"] = "hf_prompt_lookup"
+    num_tokens: int = Field(10, gt=0)
+    """``prompt_lookup_num_tokens``: draft length."""
+    max_ngram: int = Field(2, gt=0)
+    """``max_matching_ngram_size``: longest n-gram matched."""
+
+
+class KVPressSnapKV(_Model):
+    """kvpress's SnapKVPress around ``model.generate``, keeping ``budget`` prompt entries per
+    head (only if the optional ``kvpress`` package imports with this transformers)."""
+
+    name: Literal["kvpress_snapkv"] = "kvpress_snapkv"
+    budget: int = Field(1024, gt=0)
+    """Prompt entries kept per KV head (converted to kvpress's ``compression_ratio``)."""
+    window: int = Field(64, gt=0)
+    """kvpress ``window_size``."""
+    kernel: int = Field(5, gt=0)
+    """kvpress ``kernel_size``."""
+
+
+Baseline = Annotated[Union[HFGenerate, HFPromptLookup, KVPressSnapKV], Field(discriminator="name")]
+BASELINE_NAMES = ("hf_generate", "hf_prompt_lookup", "kvpress_snapkv")
+
+
+# --------------------------------------------------------------------------- experiment
+
+
+class Generation(_Model):
+    """Generation settings shared by every configuration (greedy decoding)."""
+
+    max_new_tokens: int = Field(64, gt=0)
+    """Tokens generated per item at most (all configurations stop at the model's eos too)."""
+    max_draft_tokens: int = Field(32, gt=0)
+    """accel runs: the most draft nodes verified in one pass."""
+    system: str | None = None
+    """Optional system message for the chat template (default: the template's own)."""
+
+
+class Experiment(_Model):
+    """One experiment: a grid of configurations x task items x repeats."""
+
+    name: str | None = None
+    """Experiment name (default: the file's stem)."""
+    description: str = ""
+    """Free text, copied into summary.md."""
+    model: str = "default"
+    """``default`` (SmolLM2-135M-Instruct), a local checkpoint folder, a .gguf file, or a hub
+    id already in the local Hugging Face cache (nothing is downloaded)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Model weights and KV cache dtype."""
+    device: str = "cpu"
+    """torch device, e.g. ``cpu`` or ``cuda:0``."""
+    threads: int | None = Field(None, gt=0)
+    """torch intra-op threads (default: torch's choice)."""
+    tasks: list[Task] = Field(min_length=1)
+    """What to generate for: needle, long_doc and chat tasks."""
+    runs: dict[str, list[Any]] = Field(default_factory=dict)
+    """Named accel configurations: each a list of strategy specs (``"snapkv:budget=512"`` or
+    ``{name: snapkv, budget: 512}``), ``[]`` for accel's plain decoding."""
+    baselines: list[Baseline] = Field(default_factory=lambda: [HFGenerate()])
+    """HF reference configurations: ``hf_generate``, ``hf_prompt_lookup``, ``kvpress_snapkv``."""
+    reference: str = "hf_generate"
+    """The configuration every speed-up is a ratio to (a baseline or run name)."""
+    generation: Generation = Field(default_factory=Generation)
+    """Generation settings."""
+    repeats: int = Field(1, gt=0)
+    """Timed passes over the whole grid."""
+    warmup_tokens: int = Field(16, ge=0)
+    """Untimed warm-up of every configuration on the first item, generating this many tokens
+    (0: no warm-up)."""
+    seed: int = 0
+    """Seeds task generation (haystacks, pass keys, documents) and torch."""
+    output: str | None = None
+    """Output folder (default ``runs/<name>``); ``accel bench --out`` overrides it."""
+
+    @field_validator("baselines", mode="before")
+    @classmethod
+    def _names_to_mappings(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            return [{"name": v} if isinstance(v, str) else v for v in value]
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _valid_device(cls, value: str) -> str:
+        import torch
+
+        try:
+            torch.device(value)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"not a torch device: {err}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _names(self) -> "Experiment":
+        problems = []
+        for run in self.runs:
+            if not _NAME.match(run):
+                problems.append(f"runs.{run}: names use letters, digits and _ . + - only")
+            if run in BASELINE_NAMES:
+                problems.append(f"runs.{run}: {run!r} is a baseline name; pick another run name")
+        seen: set[str] = set()
+        for b in self.baselines:
+            if b.name in seen:
+                problems.append(f"baselines: {b.name} is listed twice")
+            seen.add(b.name)
+        names = [t.name or t.kind for t in self.tasks]
+        for n in sorted({n for n in names if names.count(n) > 1}):
+            problems.append(f"tasks: two tasks are named {n!r}; give them distinct `name`s")
+        if self.reference not in self.configuration_names():
+            problems.append(
+                f"reference: {self.reference!r} is neither a baseline nor a run "
+                f"(have: {', '.join(self.configuration_names()) or 'none'})"
+            )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def configuration_names(self) -> list[str]:
+        """Baselines first, then runs, in file order."""
+        return [b.name for b in self.baselines] + list(self.runs)
+
+    def task_name(self, index: int) -> str:
+        task = self.tasks[index]
+        return task.name or task.kind
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _loc(parts: tuple[Any, ...] | list[Any]) -> str:
+    out = ""
+    for p in parts:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "(file)"
+
+
+def _split_key(key: str) -> list[str | int]:
+    """``"tasks[0].lengths"`` or ``"tasks.0.lengths"`` -> ``["tasks", 0, "lengths"]``."""
+    parts: list[str | int] = []
+    for piece in key.split("."):
+        m = re.fullmatch(r"([^\[\]]*)((?:\[\d+\])*)", piece)
+        if not m or (not m.group(1) and not m.group(2)):
+            raise ValueError(f"bad key {key!r}")
+        if m.group(1):
+            parts.append(int(m.group(1)) if m.group(1).isdigit() else m.group(1))
+        parts.extend(int(i) for i in re.findall(r"\[(\d+)\]", m.group(2)))
+    return parts
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> list[str]:
+    """Set ``key.path=value`` items (value parsed as YAML) in ``data``, in place.
+
+    Returns problem lines (``"--set ITEM: reason"``); empty when all applied.
+    """
+    problems = []
+    for item in overrides:
+        key, eq, text = item.partition("=")
+        if not eq or not key.strip():
+            problems.append(f"--set {item}: expected KEY=VALUE, e.g. generation.max_new_tokens=32")
+            continue
+        try:
+            path = _split_key(key.strip())
+            value = yaml.safe_load(text) if text.strip() else ""
+        except (ValueError, yaml.YAMLError) as err:
+            problems.append(f"--set {item}: {str(err).splitlines()[0]}")
+            continue
+        node: Any = data
+        try:
+            for i, part in enumerate(path[:-1]):
+                if isinstance(node, dict):
+                    if not isinstance(node.get(part), (dict, list)):
+                        node[part] = [] if isinstance(path[i + 1], int) else {}
+                    node = node[part]
+                elif isinstance(node, list) and isinstance(part, int):
+                    node = node[part]
+                else:
+                    raise KeyError(part)
+            last = path[-1]
+            if isinstance(node, list) and isinstance(last, int):
+                node[last] = value
+            elif isinstance(node, dict):
+                node[last] = value
+            else:
+                raise KeyError(last)
+        except (KeyError, IndexError):
+            problems.append(f"--set {item}: {key.strip()} does not name a field that can be set")
+    return problems
+
+
+def _strategy_problems(runs: Any) -> list[str]:
+    """Validate every strategy spec of every run through the strategy registry."""
+    from accel.engine import plan_strategies
+    from accel.strategy import StrategyError, build_strategy
+
+    if not isinstance(runs, dict):
+        return []  # pydantic reports the type
+    problems = []
+    for run, specs in runs.items():
+        if not isinstance(specs, list):
+            continue  # pydantic reports the type
+        built = []
+        for i, spec in enumerate(specs):
+            where = f"runs.{run}[{i}]: "
+            try:
+                built.append(build_strategy(spec, where=where))
+            except StrategyError as err:
+                # build_strategy joins several field errors with "; " and prefixes each with `where`.
+                text = str(err)
+                parts = text.split(f"; {where}") if text.startswith(where) else [text]
+                problems.extend(p if p.startswith(where) else f"{where}{p}" for p in parts)
+        if len(built) == len(specs):
+            try:
+                plan_strategies(built)
+            except ValueError as err:
+                problems.append(f"runs.{run}: {err}")
+    return problems
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Experiment:
+    """Read, override and validate an experiment file. Writes nothing.
+
+    Raises :class:`ConfigError` naming the file, the field path and the reason of every
+    problem found (schema errors and strategy errors together).
+    """
+    path = Path(path)
+    label = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ConfigError([f"{label}: cannot read the file ({err.strerror or err})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark is not None else "(file)"
+        reason = getattr(err, "problem", None) or str(err)
+        raise ConfigError([f"{label}: {where}: YAML syntax error: {reason}"]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{label}: (file): the file must hold a mapping of fields, got {type(data).__name__}"])
+
+    problems = [f"{label}: {p}" for p in apply_overrides(data, list(overrides or []))]
+    data.setdefault("name", path.stem)
+
+    experiment = None
+    try:
+        experiment = Experiment.model_validate(data)
+    except ValidationError as err:
+        for e in err.errors():
+            msg = e["msg"].removeprefix("Value error, ")
+            loc = _loc(e["loc"])
+            for line in msg.splitlines():
+                # Model-level checks already name their field ("runs.x: ...").
+                problems.append(f"{label}: {line}" if not e["loc"] else f"{label}: {loc}: {line}")
+    problems += [f"{label}: {p}" for p in _strategy_problems(data.get("runs"))]
+
+    if experiment is not None:
+        for i, task in enumerate(experiment.tasks):
+            if isinstance(task, ChatTask) and task.file is not None:
+                f = resolve_path(task.file, path)
+                if not f.is_file():
+                    problems.append(f"{label}: tasks[{i}].file: no such file: {f}")
+    if problems:
+        raise ConfigError(problems)
+    assert experiment is not None
+    # Relative task files are kept relative to the experiment file.
+    tasks = [
+        t.model_copy(update={"file": str(resolve_path(t.file, path))}) if isinstance(t, ChatTask) and t.file else t
+        for t in experiment.tasks
+    ]
+    return experiment.model_copy(update={"tasks": tasks})
+
+
+def resolve_path(name: str, config_path: Path) -> Path:
+    p = Path(name).expanduser()
+    return p if p.is_absolute() else (config_path.parent / p)

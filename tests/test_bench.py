@@ -1,0 +1,304 @@
+"""accel bench: experiment-file validation, task generation, and a tiny end-to-end run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from accel.bench import ConfigError, load_config, run_experiment
+from accel.bench.runner import _agreement, _schedule
+from accel.bench.schema import apply_overrides
+from accel.bench.tasks import build_items, score
+from accel.cli import main
+from accel.strategy import REGISTRY, _load_builtin
+
+from helpers import TINY_VOCAB, make_tiny_model
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+class CharTokenizer:
+    """A character-level stand-in for a tokenizer, sized for the tiny models (97 ids).
+
+    id 0 = pad/bos, 1 = eos, 2.. = newline and printable ASCII (other characters become '?').
+    The chat template is plain text: ``<user>\\n...\\n<assistant>\\n``.
+    """
+
+    pad_token_id = 0
+    eos_token_id = 1
+    chars = "\n" + "".join(chr(c) for c in range(32, 126))  # 95 characters: ids 2..96
+
+    def __init__(self) -> None:
+        assert len(self.chars) + 2 == TINY_VOCAB
+        self.index = {c: i + 2 for i, c in enumerate(self.chars)}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        text = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages)
+        return text + ("<assistant>\n" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None):
+        ids = [self.index.get(c, self.index["?"]) for c in text]
+        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.chars[i - 2] for i in ids if i >= 2)
+
+
+def _write(tmp_path: Path, data: dict | str, name: str = "exp.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+GOOD = {
+    "model": "default",
+    "tasks": [
+        {"kind": "needle", "lengths": [400, 600], "depths": [0.0, 1.0]},
+        {"kind": "long_doc", "lengths": [900], "instructions": ["repeat", "extract"]},
+        {"kind": "chat", "prompts": 2},
+    ],
+    "baselines": ["hf_generate", "hf_prompt_lookup"],
+    "runs": {
+        "accel_plain": [],
+        "snapkv": [{"name": "snapkv", "budget": 64, "window": 8, "kernel": 3}],
+        "snapkv_pl": ["snapkv:budget=64,window=8,kernel=3", "prompt_lookup:num_tokens=4"],
+    },
+    "generation": {"max_new_tokens": 8},
+    "warmup_tokens": 2,
+    "seed": 3,
+    "threads": 1,  # a shared 2-core machine runs tiny models far faster on one thread
+}
+
+
+# --------------------------------------------------------------------------- schema
+
+
+def test_good_file_validates(tmp_path):
+    exp = load_config(_write(tmp_path, GOOD))
+    assert exp.name == "exp"
+    assert exp.configuration_names() == ["hf_generate", "hf_prompt_lookup", "accel_plain", "snapkv", "snapkv_pl"]
+    assert [t.kind for t in exp.tasks] == ["needle", "long_doc", "chat"]
+    assert exp.generation.max_new_tokens == 8 and exp.reference == "hf_generate"
+
+
+def test_budget_and_misspelled_field_both_named_in_one_message(tmp_path):
+    bad = dict(GOOD, runs={"snapkv_bad": [{"name": "snapkv", "budget": -5, "windw": 32}]})
+    path = _write(tmp_path, bad)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    msg = str(info.value)
+    assert "budget" in msg and "greater than 0" in msg
+    assert "windw" in msg
+    assert len(info.value.problems) == 2
+    for line in msg.splitlines():
+        assert line.startswith(f"{path}: runs.snapkv_bad[0]: snapkv.")
+
+
+def test_every_schema_and_strategy_error_is_collected(tmp_path):
+    bad = {
+        "tasks": [{"kind": "needle", "lengths": [0], "depths": [1.5]}, {"kind": "poem"}],
+        "runs": {"x": ["nosuch"], "hf_generate": [], "two": ["snapkv", "h2o"]},
+        "generation": {"max_new_tokens": 0, "temprature": 1},
+        "repeats": "many",
+    }
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, bad))
+    msg = str(info.value)
+    for needle in ("tasks[0].needle.lengths[0]", "tasks[0].needle.depths[0]", "tasks[1]", "generation.max_new_tokens",
+                   "generation.temprature", "repeats", "runs.x[0]: unknown strategy 'nosuch'", "runs.two: at most one"):
+        assert needle in msg, needle
+
+
+def test_model_level_checks(tmp_path):
+    bad = dict(GOOD, reference="nope", runs={"hf_generate": []})
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, bad))
+    msg = str(info.value)
+    assert "runs.hf_generate: 'hf_generate' is a baseline name" in msg
+    assert "reference: 'nope' is neither a baseline nor a run" in msg
+
+
+def test_yaml_syntax_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"exp.yaml: line \d+, column \d+: YAML syntax error"):
+        load_config(_write(tmp_path, "tasks:\n  - kind: [chat\n"))
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        load_config(tmp_path / "absent.yaml")
+
+
+def test_overrides(tmp_path):
+    exp = load_config(_write(tmp_path, GOOD), [
+        "generation.max_new_tokens=4", "tasks[0].lengths=[100]", "runs.pl=[prompt_lookup]", "repeats=2",
+        "baselines=[hf_generate]",
+    ])
+    assert exp.generation.max_new_tokens == 4
+    assert exp.tasks[0].lengths == [100]
+    assert "pl" in exp.runs and exp.repeats == 2
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, GOOD), ["repeats", "tasks[9].lengths=[1]", "runs.snapkv=[snapkv:budget=-1]"])
+    msg = str(info.value)
+    assert "--set repeats: expected KEY=VALUE" in msg
+    assert "--set tasks[9].lengths=[1]: tasks[9].lengths does not name a field" in msg
+    assert "runs.snapkv[0]: snapkv.budget: Input should be greater than 0" in msg
+
+
+def test_apply_overrides_creates_nested_mappings():
+    data: dict = {}
+    assert apply_overrides(data, ["generation.system=Be brief."]) == []
+    assert data == {"generation": {"system": "Be brief."}}
+
+
+def test_shipped_configs_validate():
+    _load_builtin()
+    paths = sorted(CONFIGS.glob("*.yaml"))
+    assert {p.name for p in paths} >= {"quickstart.yaml", "needle.yaml", "long_doc.yaml", "chat.yaml"}
+    for path in paths:
+        try:
+            load_config(path)
+        except ConfigError as err:
+            # Medusa heads may not be registered yet; nothing else may be wrong.
+            assert "medusa" not in REGISTRY, str(err)
+            assert all("unknown strategy 'medusa'" in p for p in err.problems), str(err)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def test_cli_bad_file_exits_nonzero_without_traceback_or_output(tmp_path, capsys):
+    out = tmp_path / "out"
+    bad = dict(GOOD, runs={"snapkv": [{"name": "snapkv", "budget": -5, "windw": 32}]}, output=str(out))
+    path = _write(tmp_path, bad)
+    rc = main(["bench", str(path), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc != 0
+    assert "Traceback" not in err
+    assert "snapkv.budget" in err and "windw" in err and str(path) in err
+    assert not out.exists()
+    rc = main(["bench", str(path)])  # the file's own output folder is not created either
+    assert rc != 0 and not out.exists()
+
+
+# --------------------------------------------------------------------------- tasks
+
+
+def test_tasks_are_deterministic_and_fit_their_lengths(tmp_path):
+    tok = CharTokenizer()
+    exp = load_config(_write(tmp_path, GOOD))
+    a, b = build_items(exp, tok), build_items(exp, tok)
+    assert [i.item_id for i in a] == [i.item_id for i in b]
+    assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))
+    needles = [i for i in a if i.kind == "needle"]
+    assert len(needles) == 4
+    for item in needles:
+        text = tok.decode(item.input_ids[0].tolist())
+        assert f"The pass key is {item.meta['pass_key']}. Remember it." in text
+        assert text.rstrip().endswith("What is the pass key?\n<assistant>")
+        assert item.meta["target_length"] * 0.8 <= item.prompt_tokens <= item.meta["target_length"]
+    first, last = (tok.decode(needles[k].input_ids[0].tolist()) for k in (0, 1))  # depths 0 and 1
+    assert "quiz you about the pass key.\n\nThe pass key is" in first
+    assert "Remember it.\n\nWhat is the pass key?" in last
+    other = load_config(_write(tmp_path, dict(GOOD, seed=4), "other.yaml"))
+    assert [i.meta.get("pass_key") for i in build_items(other, tok)] != [i.meta.get("pass_key") for i in a]
+
+
+def test_scoring(tmp_path):
+    tok = CharTokenizer()
+    exp = load_config(_write(tmp_path, GOOD))
+    items = {(i.kind, i.meta.get("instruction")): i for i in build_items(exp, tok)}
+    needle = items[("needle", None)]
+    assert score(needle, f"The pass key is {needle.expected}.") == (True, 1.0)
+    assert score(needle, "I do not know.") == (False, 0.0)
+    extract = items[("long_doc", "extract")]
+    names = extract.expected
+    assert score(extract, "\n".join(names)) == (True, 1.0)
+    assert score(extract, names[0])[1] == pytest.approx(1 / len(names))
+    repeat = items[("long_doc", "repeat")]
+    assert score(repeat, "Sure:\n" + repeat.expected + " and more")[0] is True
+    assert score(items[("chat", None)], "anything") == (None, None)
+
+
+def test_agreement_and_rotation():
+    assert _agreement([1, 2, 3], [1, 2, 3]) == 1.0
+    assert _agreement([1, 9, 3], [1, 2, 3, 4]) == 0.25
+    assert _agreement([], []) == 1.0
+
+    class C:
+        def __init__(self, name):
+            self.name, self.unavailable = name, None
+
+    configs = [C("a"), C("b"), C("c")]
+    orders = [[c.name for c in order] for _, _, order in _schedule(configs, [0, 1, 2], 2)]
+    assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
+    assert orders[3] == ["b", "c", "a"]  # the next repeat starts one further on
+    for order in orders:
+        assert sorted(order) == ["a", "b", "c"]
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+def test_tiny_end_to_end_writes_results_summary_and_plots(tmp_path):
+    exp = load_config(_write(tmp_path, GOOD))
+    threads = torch.get_num_threads()
+    out = run_experiment(exp, tmp_path / "out", model=make_tiny_model(max_position_embeddings=2048), tokenizer=CharTokenizer(),
+                         command="pytest tiny", quiet=True)
+
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    n_items = 4 + 2 + 2
+    assert len(rows) == n_items * 5
+    assert not [r["error"] for r in rows if r["error"]]
+    for r in rows:
+        assert r["prompt_tokens"] > 0 and r["new_tokens"] >= 1
+        assert r["e2e_s"] > 0 and r["prefill_s"] > 0
+        assert r["kv_bytes_kept"] <= r["kv_bytes_full"]
+        assert r["peak_rss_mib"] and r["peak_rss_mib"] > 0
+        assert r["agreement"] is not None and isinstance(r["text"], str)
+    by = {(r["config"], r["task"], r["item"]): r for r in rows}
+    for (config, task, item), r in by.items():
+        if config in ("accel_plain", "hf_prompt_lookup"):  # exact methods reproduce greedy decoding
+            assert r["exact"], (config, task, item)
+        if config.startswith("snapkv") and r["prompt_tokens"] > 64:
+            assert r["kv_bytes_kept"] < r["kv_bytes_full"]
+    assert all(r["correct"] is not None for r in rows if r["kind"] == "needle")
+
+    summary = (out / "summary.md").read_text()
+    assert "pytest tiny" in summary and "Machine:" in summary
+    assert "## Task `needle`" in summary and "## Task `long_doc`" in summary and "## Task `chat`" in summary
+    assert "| `snapkv_pl` |" in summary and "(ref)" in summary
+    pngs = sorted(p.name for p in out.glob("*.png"))
+    assert "speedup_vs_length.png" in pngs and "needle_needle.png" in pngs
+    assert all((out / p).stat().st_size > 1000 for p in pngs)
+    assert json.loads((out / "experiment.json").read_text())["seed"] == 3
+    assert torch.get_num_threads() == threads  # `threads: 1` applied during the run only
+
+
+def test_failed_runs_are_recorded_and_unavailable_baselines_reported(tmp_path, monkeypatch):
+    from accel.bench import runner
+
+    real = runner._accel_run
+
+    def flaky(model, strategies, eos, max_draft):
+        if not strategies:
+            return real(model, strategies, eos, max_draft)
+
+        def boom(item, max_new_tokens):
+            raise RuntimeError("boom")
+
+        return boom
+
+    monkeypatch.setattr(runner, "_accel_run", flaky)
+    monkeypatch.setitem(__import__("sys").modules, "kvpress", None)  # as if kvpress did not import
+    data = dict(GOOD, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate", "kvpress_snapkv"],
+                runs={"accel_plain": [], "broken": ["prompt_lookup"]})
+    out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=make_tiny_model(),
+                         tokenizer=CharTokenizer(), quiet=True)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["config"] for r in rows}) == ["accel_plain", "broken", "hf_generate"]
+    assert all(r["error"] == "RuntimeError: boom" for r in rows if r["config"] == "broken")
+    assert all(r["exact"] for r in rows if r["config"] == "accel_plain")
+    summary = (out / "summary.md").read_text()
+    assert "`broken` ⚠ 2 failed" in summary and "RuntimeError: boom" in summary
+    assert "**unavailable:** kvpress does not import here" in summary
