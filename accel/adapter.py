@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -19,6 +20,9 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -36,6 +40,7 @@ __all__ = [
     "make_warpers",
     "capture_window_queries",
     "per_layer_masks",
+    "packed_gqa_attention",
     "default_eos",
 ]
 
@@ -299,3 +304,75 @@ def per_layer_masks(model: PreTrainedModel, cache: Any) -> Iterator[None]:
     finally:
         for h in handles:
             h.remove()
+
+
+# --------------------------------------------------------------------------- verify attention
+
+_PACKED = "accel_packed_sdpa"
+_switch_lock = threading.Lock()
+_switched: dict[int, list] = {}  # id(config) -> [active requests, original implementation]
+
+
+def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' sdpa, except that several query tokens with a 4-D mask over
+    grouped-query heads attend without copying K and V per query head.
+
+    transformers repeats K and V ``G`` times whenever a mask is given and more than one
+    token is queried (a draft tree), which on a CPU costs as much as the attention itself
+    at 4K tokens. The query heads sharing one KV head are folded into the query length
+    instead: query [B, H_kv * G, T, D] -> [B, H_kv, G * T, D], mask rows repeated to match.
+    Same arithmetic, no copies.
+    """
+    groups = getattr(module, "num_key_value_groups", 1)
+    q_len = query.shape[2]
+    mask = attention_mask
+    if groups == 1 or q_len == 1 or mask is None or mask.dim() != 4 or mask.dtype == torch.bool:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    b, hq, _, d = query.shape
+    hkv = hq // groups
+    kv_len = key.shape[2]
+    q = query.reshape(b, hkv, groups * q_len, d)
+    if mask.shape[1] == 1:
+        mask = mask.expand(b, 1, q_len, kv_len).repeat(1, 1, groups, 1)
+    else:  # per query head (per-layer masks of padded caches): [B, H_q, T, K]
+        mask = mask.expand(b, hq, q_len, kv_len).reshape(b, hkv, groups * q_len, kv_len)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    out = out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
+    return out, None
+
+
+@contextmanager
+def packed_gqa_attention(model: PreTrainedModel) -> Iterator[None]:
+    """While active, a model on transformers' ``sdpa`` uses :func:`_packed_sdpa`.
+
+    The attention implementation is a per-model setting, so it is switched for the duration
+    of the call and restored afterwards (counted, so overlapping calls on one model restore
+    it once the last one ends). The packed path is the same arithmetic as ``sdpa``; a
+    foreign forward that runs meanwhile gets the same results, only without the K/V copies.
+    Models on other implementations (eager, flash-attention) are left alone.
+    """
+    config = model.config
+    with _switch_lock:
+        entry = _switched.get(id(config))
+        if entry is None and getattr(config, "_attn_implementation", None) != "sdpa":
+            entry = None
+            active = False
+        else:
+            active = True
+            if entry is None:
+                AttentionInterface.register(_PACKED, _packed_sdpa)
+                AttentionMaskInterface.register(_PACKED, sdpa_mask)
+                entry = _switched[id(config)] = [0, config._attn_implementation]
+                config._attn_implementation = _PACKED
+            entry[0] += 1
+    try:
+        yield
+    finally:
+        if active:
+            with _switch_lock:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    config._attn_implementation = entry[1]
+                    del _switched[id(config)]

@@ -212,6 +212,11 @@ def decode(
     stats = Stats(prompt_tokens=prompt.shape[1])
     if max_new_tokens == 0:
         return prompt.new_empty((0,)), stats
+    with adapter.packed_gqa_attention(model):
+        return _decode(model, prompt, plan, geo, stats, max_new_tokens, eos, warp, generator, max_draft)
+
+
+def _decode(model, prompt, plan, geo, stats, max_new_tokens, eos, warp, generator, max_draft):
     cache = SharedCache(geo.num_layers)
     eos_set = set(eos)
 

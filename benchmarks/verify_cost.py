@@ -34,7 +34,7 @@ def main() -> None:
     geo = adapter.geometry(model)
     print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()}")
     print("context  drafts  ms/verify  x single-token")
-    with torch.inference_mode():
+    with torch.inference_mode(), adapter.packed_gqa_attention(model):
         for ctx in args.contexts:
             cache = SharedCache(geo.num_layers)
             ids = torch.randint(100, 20000, (1, ctx), generator=torch.Generator().manual_seed(0))

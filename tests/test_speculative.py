@@ -133,3 +133,29 @@ def test_drafter_with_top_k_1_sampling_equals_greedy():
     out = accel.generate(model, ids, strategies=[PromptLookup(), Scripted(mode="random")], max_new_tokens=30,
                          temperature=1.0, top_k=1, seed=0, eos_token_id=[])
     assert torch.equal(out.sequences, ref)
+
+
+def test_packed_gqa_attention_matches_sdpa_and_is_restored():
+    from accel import adapter
+    from accel.cache import SharedCache
+    from accel.engine import prefill, verify
+    from speculative import DraftTree
+
+    model = make_tiny_model(seed=17)  # 4 query heads on 2 KV heads
+    ids = _prompt(7, 30)
+    tree = DraftTree.from_proposal(5, DraftProposal(torch.tensor([6, 7, 8, 9]), torch.tensor([0, 1, 0, 3])))
+    outs = []
+    for packed in (False, True):
+        cache = SharedCache(2)
+        with torch.inference_mode():
+            prefill(model, cache, ids, None)
+            if packed:
+                with adapter.packed_gqa_attention(model):
+                    assert model.config._attn_implementation != "sdpa"
+                    outs.append(verify(model, cache, tree, torch.float32))
+            else:
+                outs.append(verify(model, cache, tree, torch.float32))
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    assert model.config._attn_implementation == "sdpa"
+    accel.generate(model, ids, strategies=[PromptLookup()], max_new_tokens=3)
+    assert model.config._attn_implementation == "sdpa"
