@@ -86,7 +86,7 @@ def generate(
     tokenizer: Any = None,
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
-    max_draft_tokens: int = DEFAULT_MAX_DRAFT,
+    max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
 ) -> GenerateResult:
     """Generate with prompt compression and/or speculative decoding on one shared cache.
 
@@ -101,7 +101,8 @@ def generate(
             acceptance rule is given). ``top_k`` / ``top_p`` as in transformers.
         eos_token_id: stop token(s); default the model's generation config.
         seed: seeds the sampler, so sampling is reproducible.
-        max_draft_tokens: the most draft nodes verified in one pass.
+        max_draft_tokens: the most draft nodes verified in one pass (None: sized to the
+            cache, see :func:`accel.engine.draft_budget`).
 
     Rows are decoded one after another (each with its own cache), so every row's output is
     exactly what it would be alone.

@@ -25,9 +25,17 @@ from .strategy import DraftContext, Drafter, PromptCompressor, Strategy
 
 __all__ = ["Stats", "Plan", "plan_strategies", "prefill", "propose", "verify", "accept", "commit", "decode"]
 
-# Largest draft tree verified in one pass unless a drafter asks for less. On a 2-core CPU
-# verifying more than a few dozen tokens costs more than it saves (see docs/BENCHMARKS.md).
-DEFAULT_MAX_DRAFT = 32
+# Largest draft tree verified in one pass, by cache size, unless the caller sets one. Measured
+# on the default model, 2-core CPU, float32 (benchmarks/verify_cost.py): relative to a plain
+# step, verifying 1-7 drafts costs ~1.5x at 512 cached entries and ~1.6x at 4K; 15 drafts
+# ~1.7x at 512 but ~2.3x at 4K; 31 drafts ~2.4x and ~3.4x. A compressed cache therefore
+# affords wider trees.
+DEFAULT_MAX_DRAFT: int | None = None
+
+
+def draft_budget(cached_entries: int) -> int:
+    """Draft nodes worth verifying in one pass over ``cached_entries`` stored entries."""
+    return 15 if cached_entries < 2048 else 7
 
 
 @dataclass
@@ -205,7 +213,7 @@ def decode(
     eos: list[int],
     warp: Callable[[torch.Tensor], torch.Tensor] | None,
     generator: torch.Generator | None,
-    max_draft: int = DEFAULT_MAX_DRAFT,
+    max_draft: int | None = DEFAULT_MAX_DRAFT,
 ) -> tuple[torch.Tensor, Stats]:
     """Generate up to ``max_new_tokens`` after ``prompt`` [1, n]. Returns (new tokens [m], stats)."""
     geo = adapter.geometry(model)
@@ -234,7 +242,8 @@ def _decode(model, prompt, plan, geo, stats, max_new_tokens, eos, warp, generato
     masks = adapter.per_layer_masks(model, cache) if cache.ragged else contextlib.nullcontext()
     with masks:
         while len(generated) < max_new_tokens and generated[-1] not in eos_set:
-            ctx = DraftContext(tokens=tokens, hidden=last_hidden, max_tokens=max_draft)
+            budget = max_draft if max_draft is not None else draft_budget(cache.physical_length(0))
+            ctx = DraftContext(tokens=tokens, hidden=last_hidden, max_tokens=budget)
             tree, source = propose(plan, states, ctx)
             hidden = verify(model, cache, tree, geo.dtype)
             acc = accept(tree, adapter.output_logits(model, hidden), warp, plan.rule, generator)

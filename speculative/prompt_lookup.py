@@ -8,6 +8,14 @@ with shared prefixes merged, so the verifier checks them all in one pass.
 Draft length adapts to the acceptance history, in the spirit of transformers' heuristic
 schedule and DISCO: a fully accepted draft lengthens the next one by 2, a rejected one
 shortens it by 1, between 1 and ``num_tokens``.
+
+On a CPU, verifying any draft costs about 1.5x a plain decode step (benchmarks/verify_cost.py:
+a forward of 2-8 tokens runs matrix-matrix kernels where one token runs matrix-vector ones),
+so a draft pays only if more than about half a token is accepted per step. Weak evidence
+(a match of fewer than ``max_ngram`` tokens) is therefore drafted only while the recent
+acceptance (an exponential average of accepted tokens per draft) stays above ``min_gain``;
+with a full ``max_ngram`` match it always drafts. The best branch gets the full length;
+the other branches share what is left of the node budget.
 """
 
 from __future__ import annotations
@@ -25,13 +33,16 @@ from .tree import merge_proposals
 __all__ = ["PromptLookup", "find_continuations"]
 
 
-def find_continuations(tokens: torch.Tensor, max_ngram: int, min_ngram: int, length: int, branches: int) -> list[torch.Tensor]:
+def find_continuations(
+    tokens: torch.Tensor, max_ngram: int, min_ngram: int, length: int, branches: int
+) -> list[tuple[int, torch.Tensor]]:
     """Continuations of the sequence's final n-gram found earlier in ``tokens`` [L].
 
     Longer n-grams are tried first; within one n, the most recent match first. Returns at
-    most ``branches`` distinct LongTensors of 1..``length`` tokens each.
+    most ``branches`` pairs (n, continuation): the matched n-gram length and a distinct
+    LongTensor of 1..``length`` tokens.
     """
-    found: list[torch.Tensor] = []
+    found: list[tuple[int, torch.Tensor]] = []
     seen: set[tuple[int, ...]] = set()
     total = tokens.numel()
     for n in range(min(max_ngram, total - 1), min_ngram - 1, -1):
@@ -44,7 +55,7 @@ def find_continuations(tokens: torch.Tensor, max_ngram: int, min_ngram: int, len
             if not key or key in seen:
                 continue
             seen.add(key)
-            found.append(cont)
+            found.append((n, cont))
             if len(found) >= branches:
                 return found
     return found
@@ -52,7 +63,8 @@ def find_continuations(tokens: torch.Tensor, max_ngram: int, min_ngram: int, len
 
 @dataclass
 class _State:
-    length: int
+    length: int  # current draft length
+    gain: float  # exponential average of accepted tokens per draft
 
 
 @register
@@ -70,6 +82,10 @@ class PromptLookup(Drafter):
     num_tokens: int = Field(8, ge=1, description="longest draft branch (tokens)")
     branches: int = Field(4, ge=1, description="distinct continuations verified together as tree branches")
     adaptive: bool = Field(True, description="adapt the draft length to the acceptance history")
+    min_gain: float = Field(
+        0.5, ge=0, description="weak (shorter than max_ngram) matches are drafted only while recent drafts "
+        "gained at least this many accepted tokens each; 0 always drafts"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "PromptLookup":
@@ -78,17 +94,20 @@ class PromptLookup(Drafter):
         return self
 
     def start(self, model, prompt: torch.Tensor) -> _State:
-        return _State(length=self.num_tokens)
+        return _State(length=self.num_tokens, gain=1.0)
 
     def propose(self, state: _State, ctx: DraftContext) -> DraftProposal | None:
         length = min(state.length, ctx.max_tokens)
         if length <= 0:
             return None
-        conts = find_continuations(ctx.tokens, self.max_ngram, self.min_ngram, length, self.branches)
-        if not conts:
+        found = find_continuations(ctx.tokens, self.max_ngram, self.min_ngram, length, self.branches)
+        if not found or (found[0][0] < self.max_ngram and state.gain < self.min_gain):
             return None
+        # the best match drafts `length` tokens; the others share the rest of the budget
+        rest = max(1, (ctx.max_tokens - length) // max(1, len(found) - 1))
         chains = [
-            DraftProposal(tokens=c, parents=torch.arange(c.numel(), dtype=torch.long)) for c in conts
+            DraftProposal(tokens=c[: length if i == 0 else rest], parents=torch.arange(min(c.numel(), length if i == 0 else rest)))
+            for i, (_, c) in enumerate(found)
         ]
         if len(chains) == 1:
             return chains[0]
@@ -96,7 +115,10 @@ class PromptLookup(Drafter):
         return merged.proposal if merged is not None else None
 
     def feedback(self, state: _State, proposed: int, accepted: int) -> None:
-        if not self.adaptive or proposed == 0:
+        if proposed == 0:
+            return
+        state.gain = 0.7 * state.gain + 0.3 * accepted
+        if not self.adaptive:
             return
         if accepted >= state.length:
             state.length = min(self.num_tokens, state.length + 2)

@@ -159,3 +159,26 @@ def test_packed_gqa_attention_matches_sdpa_and_is_restored():
     assert model.config._attn_implementation == "sdpa"
     accel.generate(model, ids, strategies=[PromptLookup()], max_new_tokens=3)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_find_continuations_prefers_long_and_recent_matches():
+    from speculative.prompt_lookup import find_continuations
+
+    #        0  1  2  3  4  5  6  7  8  9 10 11
+    seq = [5, 6, 7, 8, 1, 6, 7, 9, 2, 4, 6, 7]
+    found = find_continuations(torch.tensor(seq), max_ngram=3, min_ngram=1, length=2, branches=3)
+    # the final 2-gram (6, 7) occurs at 1 and 5: most recent first; no 3-gram (4, 6, 7) match
+    assert [(n, c.tolist()) for n, c in found[:2]] == [(2, [9, 2]), (2, [8, 1])]
+    assert all(n == 1 for n, _ in found[2:])
+
+
+def test_prompt_lookup_gates_weak_matches_after_poor_acceptance():
+    pl = PromptLookup(max_ngram=2, min_gain=0.5)
+    state = pl.start(None, torch.tensor([1]))
+    weak = DraftContext(tokens=torch.tensor([3, 4, 5, 9, 4]), hidden=None, max_tokens=8)  # only a 1-gram match
+    strong = DraftContext(tokens=torch.tensor([3, 4, 5, 9, 3, 4]), hidden=None, max_tokens=8)  # a 2-gram match
+    assert pl.propose(state, weak) is not None
+    for _ in range(5):
+        pl.feedback(state, 4, 0)
+    assert pl.propose(state, weak) is None
+    assert pl.propose(state, strong).tokens.tolist()[:2] == [5, 9]

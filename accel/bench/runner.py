@@ -238,7 +238,7 @@ def _kvpress(model: Any, eos: list[int], pad: int, spec: KVPressSnapKV) -> tuple
     return run, None
 
 
-def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft: int) -> Callable[[TaskItem, int], Measurement]:
+def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft: int | None) -> Callable[[TaskItem, int], Measurement]:
     import accel
 
     geo = adapter.geometry(model)

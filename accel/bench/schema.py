@@ -151,8 +151,9 @@ class Generation(_Model):
 
     max_new_tokens: int = Field(64, gt=0)
     """Tokens generated per item at most (all configurations stop at the model's eos too)."""
-    max_draft_tokens: int = Field(32, gt=0)
-    """accel runs: the most draft nodes verified in one pass."""
+    max_draft_tokens: int | None = Field(None, gt=0)
+    """accel runs: the most draft nodes verified in one pass (None: sized to the cache by
+    ``accel.engine.draft_budget``)."""
     system: str | None = None
     """Optional system message for the chat template (default: the template's own)."""
 
