@@ -199,7 +199,7 @@ def test_tasks_are_deterministic_and_fit_their_lengths(tmp_path):
         assert item.meta["target_length"] * 0.8 <= item.prompt_tokens <= item.meta["target_length"]
     first, last = (tok.decode(needles[k].input_ids[0].tolist()) for k in (0, 1))  # depths 0 and 1
     assert "quiz you about the pass key.\n\nThe pass key is" in first
-    assert "Remember it.\n\nWhat is the pass key?" in last
+    assert "is the pass key.\n\nWhat is the pass key?" in last
     other = load_config(_write(tmp_path, dict(GOOD, seed=4), "other.yaml"))
     assert [i.meta.get("pass_key") for i in build_items(other, tok)] != [i.meta.get("pass_key") for i in a]
 

@@ -55,9 +55,9 @@ _NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 
 
 class NeedleTask(_Model):
-    """Needle in a haystack (pass-key retrieval): a seeded filler text with
-    "The pass key is NNNNN. Remember it." at a depth fraction, then "What is the pass key?".
-    Correct when the pass key's digits appear in the answer."""
+    """Needle in a haystack (pass-key retrieval, Mohtashami & Jaggi 2023): filler text with
+    "The pass key is NNNNN. Remember it. NNNNN is the pass key." at a depth fraction, then
+    "What is the pass key?". Correct when the pass key's digits appear in the answer."""
 
     kind: Literal["needle"] = "needle"
     name: str | None = None
@@ -68,6 +68,10 @@ class NeedleTask(_Model):
     """Where the needle goes: 0 = start of the haystack, 1 = end."""
     samples: int = Field(1, gt=0)
     """Items per (length, depth) cell, each with its own haystack and pass key."""
+    filler: Literal["classic", "varied"] = "classic"
+    """"classic": the pass-key test's repeated sentences ("The grass is green. The sky is
+    blue. ..."); "varied": seeded sentences from word lists (harder: the default model
+    answers with filler words beyond ~2K tokens even with the full cache)."""
 
 
 class LongDocTask(_Model):

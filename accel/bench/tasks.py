@@ -104,15 +104,23 @@ _NEEDLE_INTRO = (
 )
 
 
+# The filler of the original pass-key retrieval test.
+_CLASSIC = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+
+
 def _needle_items(task: NeedleTask, name: str, seed: int, tokenizer: Any, system: str | None) -> list[TaskItem]:
     items = []
     for length in task.lengths:
         for s in range(task.samples):
             # One haystack per (length, sample); only the needle's position moves with depth.
-            sentences = filler_sentences(random.Random(_seed(seed, name, length, s)), max(8, length // 4 + 8))
+            count = max(8, length // 4 + 8)
+            if task.filler == "classic":
+                sentences = [_CLASSIC[i % len(_CLASSIC)] for i in range(count)]
+            else:
+                sentences = filler_sentences(random.Random(_seed(seed, name, length, s)), count)
             for depth in task.depths:
                 key = str(random.Random(_seed(seed, name, length, s, depth)).randint(10000, 99999))
-                needle = f"The pass key is {key}. Remember it."
+                needle = f"The pass key is {key}. Remember it. {key} is the pass key."
 
                 def make_text(n: int, depth=depth, needle=needle) -> str:
                     hay = sentences[:n]
