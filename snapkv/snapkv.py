@@ -31,9 +31,12 @@ class SnapKV(ScoredCompressor):
     paper exactly; with grouped-query attention the query heads of a group are combined
     into one selection per KV head (the cache stores KV heads, not query heads).
 
-    Defaults are pending the needle experiment: on the default model a number is one token
-    per digit, and kernel 7 at budget 1024 of a 4K prompt keeps only part of a fact; wider
-    pooling (13-21) keeps it whole, hence ``kernel=15`` and ``gqa="max"`` for now.
+    Defaults come from the needle experiment (benchmarks/needle_sweep.py and
+    configs/needle.yaml, on the default model): a pass key is one token per digit, and the
+    paper's kernel 7 keeps only some digits of the fact, so SnapKV(budget=512, kernel=7) and
+    even budget 1024 lose 4K-token needles that kernel 15 or 31 keep at budget 512.
+    ``kernel=15`` keeps the whole fact and its neighbours; ``gqa="max"`` keeps an entry any
+    query head of the group needs.
 
     Budget: exactly one of ``budget`` (entries per KV head, window included) and ``ratio``
     (fraction of the prompt). ``SnapKV(ratio=0.25)`` alone is fine; with neither given the
