@@ -260,12 +260,25 @@ def capture_window_queries(model: PreTrainedModel, cache: Cache, window: int, si
         yield
         return
 
-    def hook(module, args, kwargs):
-        if _forward_cache(kwargs) is not cache:
-            return None
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
+    def hook(module, hidden, kwargs):
         sink[module.layer_idx] = _window_queries(module, hidden, kwargs["position_embeddings"], window)
         return None
+
+    with _pre_attention_hook(model, cache, hook):
+        yield
+
+
+@contextmanager
+def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable) -> Iterator[None]:
+    """Run ``fn(module, hidden_states, kwargs) -> new kwargs | None`` before every attention
+    layer of the forwards that carry ``cache`` (others are untouched); removed on exit."""
+
+    def hook(module, args, kwargs):
+        if kwargs.get("cache", kwargs.get("past_key_values")) is not cache:
+            return None
+        hidden = kwargs.get("hidden_states", args[0] if args else None)
+        new = fn(module, hidden, kwargs)
+        return None if new is None else (args, new)
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
     try:
@@ -273,10 +286,6 @@ def capture_window_queries(model: PreTrainedModel, cache: Cache, window: int, si
     finally:
         for h in handles:
             h.remove()
-
-
-def _forward_cache(kwargs: dict) -> Any:
-    return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
 @contextmanager
@@ -288,22 +297,15 @@ def per_layer_masks(model: PreTrainedModel, cache: Any) -> Iterator[None]:
     transformers builds one mask for all layers.
     """
 
-    def hook(module, args, kwargs):
-        if _forward_cache(kwargs) is not cache:
-            return None
-        hidden = kwargs.get("hidden_states", args[0] if args else None)
+    def hook(module, hidden, kwargs):
         groups = module.config.num_attention_heads // module.config.num_key_value_heads
         kwargs["attention_mask"] = cache.layer_mask(
             module.layer_idx, kwargs.get("attention_mask"), hidden.shape[1], groups, hidden.dtype
         )
-        return args, kwargs
+        return kwargs
 
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
-    try:
+    with _pre_attention_hook(model, cache, hook):
         yield
-    finally:
-        for h in handles:
-            h.remove()
 
 
 # --------------------------------------------------------------------------- verify attention
