@@ -74,9 +74,32 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     b.set_defaults(func=_bench)
 
-    t = sub.add_parser("train-heads", help="train Medusa draft heads by self-distillation")
+    t = sub.add_parser("train-heads", help="train Medusa draft heads by self-distillation",
+                       description="Medusa-1 heads (base model frozen) trained on the model's own greedy answers to "
+                       "the shipped prompts. Resumable: rerun the same command to continue. Unset options take the "
+                       "defaults of speculative.train.TrainConfig.")
     t.add_argument("--model", default="default")
-    t.add_argument("--out", required=True)
+    t.add_argument("--out", required=True, help="output folder (heads, config, cached data, checkpoint)")
+    t.add_argument("--heads", type=int, default=None, help="number of heads, i.e. draft depth (default 4)")
+    t.add_argument("--layers", type=int, default=None, help="residual blocks per head (default 1)")
+    t.add_argument("--own-lm-head", action="store_true", help="give every head its own output layer (large files)")
+    t.add_argument("--prompts", default=None, help="prompt file, one a line (default: speculative/data/train_prompts.txt)")
+    t.add_argument("--max-prompts", type=int, default=None)
+    t.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per prompt (default 192)")
+    t.add_argument("--gen-batch-size", type=int, default=None, help="prompts per generate call (default 64)")
+    t.add_argument("--epochs", type=float, default=None, help="passes over the data (default 6)")
+    t.add_argument("--batch-size", type=int, default=None, help="positions per training step (default 256)")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3)")
+    t.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (default 50)")
+    t.add_argument("--seed", type=int, default=None)
+    t.add_argument("--threads", type=int, default=None, help="torch CPU threads (1 is faster on a busy machine)")
+    t.add_argument("--data-dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None,
+                   help="dtype the model generates the training data in (default auto: bfloat16 where the CPU is fast at it)")
+    t.add_argument("--full-vocab", action="store_true", help="train and draft over the whole vocabulary, not only "
+                   "the tokens seen in the training data")
+    t.add_argument("--no-bf16", action="store_true", help="keep the vocabulary projection in float32")
+    t.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    t.add_argument("--restart", action="store_true", help="discard cached data and checkpoints in --out")
     t.set_defaults(func=_train_heads, parser=t)
     return parser
 

@@ -1,0 +1,233 @@
+"""Medusa heads on the default model: verify cost, acceptance, speed-up, and SnapKV stacking.
+
+Timing ratios are measured in the same run, baseline and Medusa interleaved prompt by
+prompt, so a busy machine slows both alike. On a shared CPU, pass ``--threads 1`` (or set
+OMP_WAIT_POLICY=PASSIVE): with 2 spinning OpenMP threads and other processes competing for
+the cores, a forward pass can get 10x slower at random.
+
+    python benchmarks/medusa_check.py verify-cost            # verify time vs tree size, ~500 / ~4K context
+    python benchmarks/medusa_check.py chat                   # held-out chat prompts: accepted/step, tok/s ratio
+    python benchmarks/medusa_check.py snapkv                 # 4K-token document: SnapKV x Medusa
+    python benchmarks/medusa_check.py all --threads 1
+
+Options: --heads DIR (default: the shipped heads), --max-nodes N, --tree NAME, --new N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import accel  # noqa: E402
+from accel import adapter  # noqa: E402
+from accel.models import chat_ids, load_default  # noqa: E402
+from snapkv import SnapKV  # noqa: E402
+from speculative import Medusa  # noqa: E402
+from speculative.medusa import load_heads  # noqa: E402
+from speculative.train import EVAL_PROMPTS, load_prompts  # noqa: E402
+
+
+def _medusa(args) -> Medusa:
+    kw = {"heads": args.heads}
+    if args.max_nodes:
+        kw["max_nodes"] = args.max_nodes
+    if args.tree:
+        kw["tree"] = args.tree
+    return Medusa(**kw)
+
+
+# --------------------------------------------------------------------------- verify cost
+
+
+def verify_cost(model, args) -> None:
+    from accel.cache import SharedCache
+    from accel.engine import prefill, verify
+    from speculative.tree import DraftTree
+
+    geo = adapter.geometry(model)
+    sizes = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]
+    gen = torch.Generator().manual_seed(0)
+    print(f"verify forward + output logits, median of {args.reps} x 3 (ms); tree = root + N-1 drafts")
+    for ctx in (500, 4000):
+        prompt = torch.randint(100, 40000, (1, ctx), generator=gen)
+        cache = SharedCache(geo.num_layers)
+        times: dict[int, list[float]] = {n: [] for n in sizes}
+        with torch.inference_mode():
+            prefill(model, cache, prompt, None)
+            for _ in range(args.reps):
+                for n in sizes:  # interleaved, so load changes hit every size alike
+                    toks = torch.randint(100, 40000, (n,), generator=gen)
+                    parents = torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+                    tree = DraftTree(toks, parents)
+                    for _ in range(3):
+                        t = time.perf_counter()
+                        hidden = verify(model, cache, tree, geo.dtype)
+                        adapter.output_logits(model, hidden)
+                        times[n].append(time.perf_counter() - t)
+                        cache.commit([0])
+        base = statistics.median(times[1])
+        row = "  ".join(f"{n}:{1000 * statistics.median(times[n]):.0f}ms ({statistics.median(times[n]) / base:.2f}x)" for n in sizes)
+        print(f"context {ctx}: {row}", flush=True)
+
+    # the heads' own cost per propose (K heads x vocabulary projection)
+    loaded = load_heads(args.heads)
+    medusa = _medusa(args)
+    h = torch.randn(loaded.hidden_size)
+    for dtype in ("float32", "bfloat16"):
+        m = medusa.model_copy(update={"head_dtype": dtype})
+        state = m.start(model, torch.tensor([1]))
+        ctx = accel.strategy.DraftContext(tokens=torch.tensor([1]), hidden=h, max_tokens=64)
+        with torch.inference_mode():
+            for _ in range(3):
+                m.propose(state, ctx)
+            ts = []
+            for _ in range(20):
+                t = time.perf_counter()
+                m.propose(state, ctx)
+                ts.append(time.perf_counter() - t)
+        print(f"propose ({loaded.num_heads} heads, {dtype} projection, {len(state.paths)} nodes): "
+              f"{1000 * statistics.median(ts):.1f} ms", flush=True)
+
+
+# --------------------------------------------------------------------------- chat prompts
+
+
+def _chat_prompts() -> list[str]:
+    prompts = load_prompts(EVAL_PROMPTS)
+    try:
+        from accel.bench.prompts import CHAT_PROMPTS
+
+        prompts = list(CHAT_PROMPTS) + prompts
+    except ImportError:
+        pass
+    return prompts
+
+
+def _pair(model, tok, ids, strategies, new) -> tuple[accel.GenerateResult, accel.GenerateResult]:
+    return (accel.generate(model, ids, strategies=strategies[0], max_new_tokens=new, tokenizer=tok),
+            accel.generate(model, ids, strategies=strategies[1], max_new_tokens=new, tokenizer=tok))
+
+
+def chat(model, tok, args) -> None:
+    medusa = _medusa(args)
+    prompts = _chat_prompts()[: args.prompts]
+    base_tok = base_s = med_tok = med_s = 0.0
+    steps = emitted = 0
+    mismatches = 0
+    warm = chat_ids(tok, "Hello!")
+    accel.generate(model, warm, strategies=[medusa], max_new_tokens=4, tokenizer=tok)
+    print(f"{len(prompts)} held-out chat prompts, {args.new} new tokens, {medusa.spec()}")
+    for i, p in enumerate(prompts):
+        ids = chat_ids(tok, p)
+        order = [[], [medusa]] if i % 2 == 0 else [[medusa], []]
+        a, b = _pair(model, tok, ids, order, args.new)
+        base, med = (a, b) if i % 2 == 0 else (b, a)
+        mismatches += int(not torch.equal(base.sequences, med.sequences))
+        base_tok += base.stats.decode_tokens
+        base_s += base.stats.decode_s
+        med_tok += med.stats.decode_tokens
+        med_s += med.stats.decode_s
+        steps += med.stats.verify_steps
+        emitted += med.stats.accepted_tokens + med.stats.verify_steps
+        print(f"  [{i:2d}] accepted/step {med.stats.mean_accepted:.2f}  plain {base.stats.decode_tokens_per_s:5.1f} tok/s  "
+              f"medusa {med.stats.decode_tokens_per_s:5.1f} tok/s  {p[:50]!r}", flush=True)
+    plain_rate, med_rate = base_tok / base_s, med_tok / med_s
+    print(f"chat: mean accepted tokens per verify step {emitted / steps:.2f} | decode plain {plain_rate:.1f} tok/s, "
+          f"medusa {med_rate:.1f} tok/s, speed-up {med_rate / plain_rate:.2f}x | outputs differing: {mismatches}")
+
+
+# --------------------------------------------------------------------------- SnapKV x Medusa
+
+
+def _document(tok, target: int, seed: int) -> torch.Tensor:
+    try:
+        from accel.bench.corpus import make_report
+
+        report = make_report(random.Random(seed), n_sections=target // 40 + 2)
+        n = len(report.sections)
+        while n > 1:
+            ids = chat_ids(tok, f"Read the following report.\n\n{report.text(n)}\n\nSummarise the report in three sentences.")
+            if ids.shape[1] <= target:
+                return ids
+            n -= 1
+    except ImportError:
+        pass
+    rng = random.Random(seed)
+    words = ["river", "market", "bridge", "garden", "engine", "report", "budget", "harbour", "school", "train"]
+    text = ""
+    while len(tok(text).input_ids) < target - 40:
+        text += " ".join(rng.choice(words) for _ in range(12)) + ". "
+    return chat_ids(tok, f"Read the following text.\n\n{text}\n\nSummarise it in three sentences.")
+
+
+def snapkv(model, tok, args) -> None:
+    medusa = _medusa(args)
+    snap = SnapKV(budget=args.budget, window=32, kernel=7)
+    configs = {"plain": [], "snapkv": [snap], "medusa": [medusa], "snapkv+medusa": [snap, medusa]}
+    totals = {k: [0.0, 0.0, 0, 0] for k in configs}  # decode tokens, decode s, steps, emitted
+    for d in range(args.docs):
+        ids = _document(tok, args.doc_tokens, seed=d)
+        names = list(configs)
+        if d % 2:
+            names.reverse()
+        outs = {}
+        for name in names:
+            r = accel.generate(model, ids, strategies=configs[name], max_new_tokens=args.new, tokenizer=tok)
+            outs[name] = r
+            t = totals[name]
+            t[0] += r.stats.decode_tokens
+            t[1] += r.stats.decode_s
+            t[2] += r.stats.verify_steps
+            t[3] += r.stats.accepted_tokens + r.stats.verify_steps
+        same = torch.equal(outs["snapkv"].sequences, outs["snapkv+medusa"].sequences) and torch.equal(
+            outs["plain"].sequences, outs["medusa"].sequences)
+        print(f"  doc {d}: {ids.shape[1]} prompt tokens | " + " | ".join(
+            f"{n} {outs[n].stats.decode_tokens_per_s:.1f} tok/s" for n in configs) + f" | exact: {same}", flush=True)
+    rate = {k: v[0] / v[1] for k, v in totals.items()}
+    acc = {k: v[3] / v[2] for k, v in totals.items()}
+    s_snap = rate["snapkv"] / rate["plain"]
+    s_med = rate["medusa"] / rate["plain"]
+    s_both = rate["snapkv+medusa"] / rate["plain"]
+    print(f"snapkv (budget {args.budget}) on ~{args.doc_tokens}-token documents, {args.new} new tokens:")
+    print("  decode tok/s: " + ", ".join(f"{k} {v:.1f}" for k, v in rate.items()))
+    print(f"  accepted/step: medusa {acc['medusa']:.2f}, snapkv+medusa {acc['snapkv+medusa']:.2f}")
+    print(f"  speed-ups vs plain: snapkv {s_snap:.2f}x, medusa {s_med:.2f}x, product {s_snap * s_med:.2f}x, "
+          f"measured together {s_both:.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("what", choices=["verify-cost", "chat", "snapkv", "all"])
+    ap.add_argument("--heads", default="default")
+    ap.add_argument("--max-nodes", type=int, default=None)
+    ap.add_argument("--tree", default=None)
+    ap.add_argument("--new", type=int, default=128, help="new tokens per prompt")
+    ap.add_argument("--prompts", type=int, default=40, help="chat prompts at most")
+    ap.add_argument("--docs", type=int, default=3)
+    ap.add_argument("--doc-tokens", type=int, default=4096)
+    ap.add_argument("--budget", type=int, default=1024, help="SnapKV budget")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok = load_default()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)
+    if args.what in ("verify-cost", "all"):
+        verify_cost(model, args)
+    if args.what in ("chat", "all"):
+        chat(model, tok, args)
+    if args.what in ("snapkv", "all"):
+        snapkv(model, tok, args)
+
+
+if __name__ == "__main__":
+    main()

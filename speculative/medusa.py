@@ -1,0 +1,693 @@
+"""Medusa draft heads (Cai et al. 2024): K small heads on the model's last hidden state.
+
+Head k (1-based) reads the final normed hidden state ``h_t`` at the last verified position
+and predicts the token k steps after the one the model's own head predicts there: the root
+(pending token) comes from ``lm_head(h_t)``, so head 1 drafts the token after the root, head
+2 the one after that, and so on. Each head is ``num_layers`` residual blocks
+``x + SiLU(W x + b)`` followed by the model's own ``lm_head`` (default: nothing to store but
+the blocks, a few MB) or by an output layer of its own (the official Medusa format).
+
+The hidden state comes from the very forward pass that verified the previous tree (the
+engine hands it over as ``DraftContext.hidden``), so the heads need no cache of their own:
+the verifier and the drafts share the one, possibly SnapKV-compressed, cache.
+
+Trained heads may carry a vocabulary subset (the tokens of their training data): the heads
+then score only those rows of the output layer, which makes drafting and training several
+times cheaper on a CPU; other tokens are never drafted (the verifier still emits them).
+
+Files:
+
+- our format: ``medusa_heads.safetensors`` + ``medusa_config.json`` (num_heads, num_layers,
+  hidden_size, vocab_size, own_lm_head, base_model, measured per-head top-1..top-10
+  accuracies, training info), written by :meth:`MedusaHeads.save_pretrained` and by
+  ``accel train-heads``. ``"default"`` names the heads shipped for the default model.
+- the official Medusa format: ``config.json`` with ``medusa_num_heads`` and
+  ``medusa_num_layers`` plus ``medusa_lm_head.pt`` (or ``.safetensors``), a state dict with,
+  per head k, ``k.{l}.linear.weight/bias`` for each residual block l and ``k.{L}.weight``
+  (the head's own vocabulary projection, no bias). :meth:`MedusaHeads.from_official` reads
+  it directly, pickles only through ``torch.load(weights_only=True)``. The ``medusa-llm``
+  package (0.1) does import with transformers 5.24, but its only loader,
+  ``MedusaModel.from_pretrained``, rebuilds the base model and tokenizer from the hub by
+  name (a download) and unpickles without ``weights_only``, so it cannot attach heads to a
+  model we already hold; the format is a plain state dict, read here as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, field_serializer, field_validator
+from torch import nn
+
+from accel.strategy import DraftContext, DraftProposal, Drafter, register
+
+from .medusa_trees import TREES, Path as TreePath, TreeArrays, build_tree, check_paths, rank_accuracies, tree_arrays, truncate_paths
+
+__all__ = [
+    "Medusa",
+    "MedusaHeads",
+    "PackedHeads",
+    "DEFAULT_HEADS_DIR",
+    "DEFAULT_MAX_NODES",
+    "WEIGHTS_NAME",
+    "CONFIG_NAME",
+    "resolve_heads_dir",
+    "load_heads",
+]
+
+WEIGHTS_NAME = "medusa_heads.safetensors"
+CONFIG_NAME = "medusa_config.json"
+OFFICIAL_CONFIG = "config.json"
+OFFICIAL_WEIGHTS = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+FORMAT = "accel-medusa"
+FORMAT_VERSION = 1
+
+#: The heads trained for the default model (SmolLM2-135M-Instruct), shipped in the package.
+DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "heads" / "default"
+
+#: Draft nodes per verify step unless configured (the engine's own budget caps it too). On a
+#: 2-core CPU any tree costs ~1.5x a single-token step (query rows run matrix-matrix kernels
+#: instead of matrix-vector ones, and attention takes a mask), the extra is small up to ~8
+#: drafts and grows ~6% of a step per node beyond (docs/BENCHMARKS.md, "What a draft tree
+#: costs"; benchmarks/medusa_check.py verify-cost). The shipped heads accept 0.66 drafts per
+#: step with 8 nodes on held-out data (0.54 with 4, 0.77 with 16, 0.95 with 64).
+DEFAULT_MAX_NODES = 8
+
+
+# --------------------------------------------------------------------------- the heads
+
+
+class ResBlock(nn.Module):
+    """``x + SiLU(W x + b)``; W and b start at zero, so a fresh block is the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.dropout = 0.0  # on the block's input to W, in training mode only (a regulariser)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        inner = F.dropout(x, self.dropout, training=True) if self.training and self.dropout else x
+        return x + F.silu(self.linear(inner))
+
+
+class MedusaHead(nn.Module):
+    """One head: residual blocks, then (optionally) its own vocabulary projection."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int, own_lm_head: bool):
+        super().__init__()
+        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
+        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False) if own_lm_head else None
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads for a model with hidden size H and vocabulary V.
+
+    A fresh set (zero-initialised blocks, own output layers copied from the base model with
+    :meth:`init_lm_heads`) predicts, at every head, what the base model predicts for the next
+    token, the paper's starting point for training.
+
+    vocab_subset: LongTensor [V'] or None, sorted token ids the heads draft from (training
+        fills it with the tokens of its data); None: the whole vocabulary. Restricting the
+        vocabulary projection to these rows makes training and drafting several times
+        cheaper on a CPU; tokens outside it are never drafted.
+    info: free-form facts saved in the config: ``base_model``, ``topk_accuracy`` ([K][10]
+        cumulative top-1..top-10 accuracies on held-out data, used by the tree builder),
+        ``training`` (data, steps, time).
+    """
+
+    def __init__(
+        self,
+        num_heads: int,
+        hidden_size: int,
+        vocab_size: int,
+        num_layers: int = 1,
+        own_lm_head: bool = False,
+        info: dict[str, Any] | None = None,
+        vocab_subset: torch.Tensor | None = None,
+    ):
+        super().__init__()
+        if num_heads < 1 or num_layers < 0 or hidden_size < 1 or vocab_size < 1:
+            raise ValueError(
+                f"MedusaHeads needs num_heads >= 1, num_layers >= 0, positive sizes; got num_heads={num_heads}, "
+                f"num_layers={num_layers}, hidden_size={hidden_size}, vocab_size={vocab_size}"
+            )
+        self.num_heads = num_heads
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.own_lm_head = own_lm_head
+        self.info: dict[str, Any] = dict(info or {})
+        self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers, own_lm_head) for _ in range(num_heads))
+        self.vocab_subset: torch.Tensor | None
+        self.register_buffer("vocab_subset", None)
+        if vocab_subset is not None:
+            self.set_vocab_subset(vocab_subset)
+
+    def set_vocab_subset(self, tokens: torch.Tensor | None) -> None:
+        """Draft only from ``tokens`` (any order, duplicates dropped), or from all with None."""
+        if tokens is None:
+            self.vocab_subset = None
+            return
+        tokens = torch.unique(torch.as_tensor(tokens, dtype=torch.long).reshape(-1))
+        if tokens.numel() == 0 or int(tokens[0]) < 0 or int(tokens[-1]) >= self.vocab_size:
+            raise ValueError(f"vocab_subset must hold token ids in 0..{self.vocab_size - 1}")
+        self.vocab_subset = tokens
+
+    # ------------------------------------------------------------------ compute
+
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """Per-head hidden states before the vocabulary projection: [..., H] -> [..., K, H]."""
+        return torch.stack([head.hidden(h) for head in self.heads], dim=-2)
+
+    def forward(self, h: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        """Head logits [..., K, V] from hidden states [..., H] (-inf outside ``vocab_subset``).
+
+        lm_head: the base model's output layer (``model.get_output_embeddings()``); required
+        unless the heads have their own.
+        """
+        x = self.hidden(h)
+        if self.own_lm_head:
+            logits = torch.stack([head.lm_head(x[..., k, :]) for k, head in enumerate(self.heads)], dim=-2)
+        elif lm_head is None:
+            raise ValueError("these Medusa heads use the base model's lm_head: pass lm_head=model.get_output_embeddings()")
+        else:
+            logits = lm_head(x)
+        if self.vocab_subset is not None:
+            keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            keep[self.vocab_subset.to(logits.device)] = True
+            logits = logits.masked_fill(~keep, float("-inf"))
+        return logits
+
+    def set_dropout(self, p: float) -> None:
+        """Dropout on every residual block's input to its linear layer while training."""
+        for head in self.heads:
+            for block in head.blocks:
+                block.dropout = float(p)
+
+    def init_lm_heads(self, weight: torch.Tensor) -> None:
+        """Copy the base model's output weight [V, H] into every head's own output layer."""
+        if not self.own_lm_head:
+            raise ValueError("these heads share the base model's lm_head; there is nothing to initialise")
+        with torch.no_grad():
+            for head in self.heads:
+                head.lm_head.weight.copy_(weight)
+
+    def config(self) -> dict[str, Any]:
+        """The JSON config saved beside the weights."""
+        return {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "num_heads": self.num_heads,
+            "num_layers": self.num_layers,
+            "hidden_size": self.hidden_size,
+            "vocab_size": self.vocab_size,
+            "own_lm_head": self.own_lm_head,
+            "vocab_subset_size": int(self.vocab_subset.numel()) if self.vocab_subset is not None else None,
+            **self.info,
+        }
+
+    @property
+    def topk_accuracy(self) -> list[list[float]] | None:
+        """[K][topk] cumulative accuracies measured on held-out data, if known."""
+        acc = self.info.get("topk_accuracy")
+        return [list(map(float, row)) for row in acc] if acc else None
+
+    def pack(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None, head_dtype: torch.dtype | None = None) -> "PackedHeads":
+        """The weights stacked for fast single-vector inference (see :class:`PackedHeads`)."""
+        dtype = dtype or torch.float32
+        L, K, H = self.num_layers, self.num_heads, self.hidden_size
+        with torch.no_grad():
+            if L:
+                weight = torch.stack([torch.stack([h.blocks[l].linear.weight for h in self.heads]) for l in range(L)])
+                bias = torch.stack([torch.stack([h.blocks[l].linear.bias for h in self.heads]) for l in range(L)])
+            else:
+                weight, bias = torch.empty(0, K, H, H), torch.empty(0, K, H)
+            subset = self.vocab_subset.to(device) if self.vocab_subset is not None else None
+            out = None
+            if self.own_lm_head:
+                out = torch.stack([h.lm_head.weight if subset is None else h.lm_head.weight[self.vocab_subset] for h in self.heads])
+                out = out.to(device=device, dtype=head_dtype or dtype).contiguous()
+            return PackedHeads(weight.to(device=device, dtype=dtype).contiguous(), bias.to(device=device, dtype=dtype).contiguous(),
+                               out, subset)
+
+    # ------------------------------------------------------------------ files
+
+    def save_pretrained(self, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+        """Write ``medusa_heads.safetensors`` (in ``dtype``, default as held) and
+        ``medusa_config.json`` into ``folder``. Returns the folder."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+                 for k, v in self.state_dict().items()}
+        tmp = folder / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
+        save_file(state, str(tmp), metadata={"format": FORMAT})
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, folder / WEIGHTS_NAME)
+        cfg = self.config()
+        tmp = folder / f".{CONFIG_NAME}.tmp-{os.getpid()}"
+        tmp.write_text(json.dumps(cfg, indent=2) + "\n")
+        os.replace(tmp, folder / CONFIG_NAME)
+        return folder
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike) -> "MedusaHeads":
+        """Load heads from ``folder`` (our format or the official Medusa format), or the
+        heads shipped for the default model with ``"default"``. Weights come back float32.
+
+        Raises FileNotFoundError for a missing folder and ValueError, naming the file and
+        the problem, for a malformed config or weights file.
+        """
+        path = resolve_heads_dir(folder)
+        if (path / CONFIG_NAME).is_file():
+            return cls._from_ours(path)
+        if (path / OFFICIAL_CONFIG).is_file() and any((path / n).is_file() for n in OFFICIAL_WEIGHTS):
+            return cls.from_official(path)
+        raise ValueError(
+            f"'{path}' holds no Medusa heads: expected {CONFIG_NAME} + {WEIGHTS_NAME} (accel's format) or "
+            f"{OFFICIAL_CONFIG} + {OFFICIAL_WEIGHTS[1]} (the official Medusa format)"
+        )
+
+    @classmethod
+    def _from_ours(cls, folder: Path) -> "MedusaHeads":
+        cfg_file = folder / CONFIG_NAME
+        cfg = _read_json(cfg_file)
+        ints = {}
+        for key in ("num_heads", "num_layers", "hidden_size", "vocab_size"):
+            value = cfg.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if key == "num_layers" else 1):
+                raise ValueError(f"{cfg_file}: '{key}' must be a {'non-negative' if key == 'num_layers' else 'positive'} integer, got {value!r}")
+            ints[key] = value
+        own = cfg.get("own_lm_head", False)
+        if not isinstance(own, bool):
+            raise ValueError(f"{cfg_file}: 'own_lm_head' must be true or false, got {own!r}")
+        acc = cfg.get("topk_accuracy")
+        if acc is not None and not (
+            isinstance(acc, list) and len(acc) == ints["num_heads"]
+            and all(isinstance(r, list) and all(isinstance(x, (int, float)) for x in r) for r in acc)
+        ):
+            raise ValueError(f"{cfg_file}: 'topk_accuracy' must be a list of {ints['num_heads']} lists of numbers")
+        subset_size = cfg.get("vocab_subset_size")
+        if subset_size is not None and (not isinstance(subset_size, int) or isinstance(subset_size, bool)
+                                        or not 0 < subset_size <= ints["vocab_size"]):
+            raise ValueError(f"{cfg_file}: 'vocab_subset_size' must be null or an integer in 1..vocab_size, got {subset_size!r}")
+        info = {k: v for k, v in cfg.items()
+                if k not in {"format", "format_version", "own_lm_head", "vocab_subset_size", *ints}}
+        heads = cls(own_lm_head=own, info=info, **ints)
+        if subset_size:
+            heads.vocab_subset = torch.zeros(subset_size, dtype=torch.long)  # shape placeholder, loaded below
+        weights_file = folder / WEIGHTS_NAME
+        state = _read_safetensors(weights_file)
+        _load_state(heads, state, weights_file)
+        return heads
+
+    @classmethod
+    def from_official(cls, folder: str | os.PathLike) -> "MedusaHeads":
+        """Load heads saved in the official Medusa format (see the module docstring) as
+        heads with their own output layers. Weights come back float32."""
+        folder = Path(folder)
+        cfg_file = folder / OFFICIAL_CONFIG
+        cfg = _read_json(cfg_file)
+        num_heads, num_layers = cfg.get("medusa_num_heads"), cfg.get("medusa_num_layers")
+        for key, value in (("medusa_num_heads", num_heads), ("medusa_num_layers", num_layers)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < (1 if key == "medusa_num_heads" else 0):
+                raise ValueError(f"{cfg_file}: '{key}' must be a {'positive' if key == 'medusa_num_heads' else 'non-negative'} integer, got {value!r}")
+        weights_file = next((folder / n for n in OFFICIAL_WEIGHTS if (folder / n).is_file()), None)
+        if weights_file is None:
+            raise FileNotFoundError(f"'{folder}' has {OFFICIAL_CONFIG} but no {' or '.join(OFFICIAL_WEIGHTS)}")
+        if weights_file.suffix == ".pt":
+            try:
+                raw = torch.load(weights_file, map_location="cpu", weights_only=True)
+            except Exception as err:  # pickle errors come in many types
+                raise ValueError(
+                    f"{weights_file}: not a plain state dict that torch.load(weights_only=True) can read "
+                    f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+                ) from None
+        else:
+            raw = _read_safetensors(weights_file)
+        if not isinstance(raw, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in raw.items()):
+            raise ValueError(f"{weights_file}: expected a state dict (names -> tensors), got {type(raw).__name__}")
+        prefix = "medusa_head."
+        if raw and all(k.startswith(prefix) for k in raw):
+            raw = {k[len(prefix):]: v for k, v in raw.items()}
+        final = f"0.{num_layers}.weight"
+        if final not in raw or raw[final].dim() != 2:
+            raise ValueError(
+                f"{weights_file}: missing '{final}' (head 0's vocabulary projection after {num_layers} residual "
+                f"block(s), per {cfg_file.name}'s medusa_num_layers={num_layers})"
+            )
+        vocab_size, hidden_size = raw[final].shape
+        state = {}
+        for k in range(num_heads):
+            for l in range(num_layers):
+                for part in ("weight", "bias"):
+                    state[f"heads.{k}.blocks.{l}.linear.{part}"] = _take(raw, f"{k}.{l}.linear.{part}", weights_file)
+            state[f"heads.{k}.lm_head.weight"] = _take(raw, f"{k}.{num_layers}.weight", weights_file)
+        if raw:
+            extra = sorted(raw)
+            raise ValueError(
+                f"{weights_file}: {len(extra)} unexpected tensors (e.g. '{extra[0]}'); does {cfg_file.name} "
+                f"(medusa_num_heads={num_heads}, medusa_num_layers={num_layers}) describe this file?"
+            )
+        info = {"base_model": cfg.get("base_model_name_or_path"), "source": f"official Medusa format ({weights_file.name})"}
+        heads = cls(num_heads, hidden_size, vocab_size, num_layers, own_lm_head=True, info=info)
+        _load_state(heads, state, weights_file)
+        return heads
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"'{path}' does not exist") from None
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise ValueError(f"{path}: not a readable JSON file ({err})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise FileNotFoundError(f"'{path}' does not exist")
+    try:
+        return load_file(str(path))
+    except Exception as err:  # SafetensorError, OSError, ...
+        raise ValueError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def _take(raw: dict[str, torch.Tensor], key: str, where: Path) -> torch.Tensor:
+    if key not in raw:
+        raise ValueError(f"{where}: missing tensor '{key}'")
+    return raw.pop(key)
+
+
+def _load_state(heads: MedusaHeads, state: dict[str, torch.Tensor], where: Path) -> None:
+    """Check names and shapes against ``heads`` and load (as float32); ValueError otherwise."""
+    expected = heads.state_dict()
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise ValueError(f"{where}: missing tensor '{missing[0]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+                         + f" (config: {heads.num_heads} heads x {heads.num_layers} layers, own_lm_head={heads.own_lm_head})")
+    extra = [k for k in state if k not in expected]
+    if extra:
+        raise ValueError(f"{where}: unexpected tensor '{extra[0]}'" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
+                         + f" (config: {heads.num_heads} heads x {heads.num_layers} layers, own_lm_head={heads.own_lm_head})")
+    for k, v in expected.items():
+        if tuple(state[k].shape) != tuple(v.shape):
+            raise ValueError(f"{where}: tensor '{k}' has shape {tuple(state[k].shape)}, expected {tuple(v.shape)} "
+                             f"(hidden_size={heads.hidden_size}, vocab_size={heads.vocab_size})")
+        if state[k].is_floating_point() != v.is_floating_point():
+            raise ValueError(f"{where}: tensor '{k}' has dtype {state[k].dtype}, expected {'a floating point' if v.is_floating_point() else 'an integer'} type")
+    subset = state.pop("vocab_subset", None)
+    heads.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    if subset is not None:
+        subset = subset.long()
+        if subset.numel() and (int(subset.min()) < 0 or int(subset.max()) >= heads.vocab_size
+                               or not bool((subset[1:] > subset[:-1]).all())):
+            raise ValueError(f"{where}: 'vocab_subset' must hold sorted, distinct token ids in 0..{heads.vocab_size - 1}")
+        heads.vocab_subset = subset
+
+
+def resolve_heads_dir(heads: str | os.PathLike) -> Path:
+    """The folder named by ``heads``: ``"default"`` is the shipped heads, else a path."""
+    if os.fspath(heads) == "default":
+        if not (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
+            raise FileNotFoundError(
+                f"no Medusa heads are shipped in '{DEFAULT_HEADS_DIR}'; train some with "
+                f"`accel train-heads --model default --out DIR` and pass heads=DIR"
+            )
+        return DEFAULT_HEADS_DIR
+    path = Path(heads).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(f"Medusa heads folder '{path}' does not exist")
+    return path.resolve()
+
+
+# --------------------------------------------------------------------------- fast inference
+
+
+@dataclass(frozen=True)
+class PackedHeads:
+    """Head weights stacked for one hidden vector at a time (the decode loop's case).
+
+    weight: [L, K, H, H] residual-block weights, layer-major; bias: [L, K, H].
+    lm_heads: [K, V', H] own output layers (in the head dtype), or None to use the model's.
+    subset: LongTensor [V'] token id of each output row, or None (rows are token ids).
+    """
+
+    weight: torch.Tensor
+    bias: torch.Tensor
+    lm_heads: torch.Tensor | None
+    subset: torch.Tensor | None = None
+
+    def hidden(self, h: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """[H] -> [K, H]: every head's residual blocks on the same hidden state."""
+        x = h.to(self.weight.dtype).unsqueeze(0).expand(num_heads, -1)
+        for layer in range(self.weight.shape[0]):
+            y = torch.bmm(self.weight[layer], x.unsqueeze(-1)).squeeze(-1) + self.bias[layer]
+            x = x + F.silu(y)
+        return x
+
+    def top_tokens(self, h: torch.Tensor, k: int, num_heads: int, lm_weight: torch.Tensor | None, lm_bias: torch.Tensor | None) -> torch.Tensor:
+        """Each head's ``k`` most likely tokens, [K, k] (rank 0 first), for hidden state [H].
+
+        lm_weight: [V', H] the model's output rows for ``subset`` (all rows without one);
+        lm_bias: [V'] or None.
+        """
+        x = self.hidden(h, num_heads)
+        if self.lm_heads is not None:
+            logits = torch.bmm(self.lm_heads, x.to(self.lm_heads.dtype).unsqueeze(-1)).squeeze(-1)
+        else:
+            logits = x.to(lm_weight.dtype) @ lm_weight.T
+            if lm_bias is not None:
+                logits = logits + lm_bias.to(logits.dtype)
+        top = torch.topk(logits, k, dim=-1, sorted=True).indices
+        return self.subset[top] if self.subset is not None else top
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    packed: PackedHeads
+    num_heads: int
+    hidden_size: int
+    vocab_size: int
+    own_lm_head: bool
+    topk_accuracy: list[list[float]] | None
+    source: Path
+
+
+# Loaded heads by (resolved folder, weights mtime, dtype, device, head dtype): strategies
+# hold configuration only, so the weights live here and every request shares them.
+_HEADS_CACHE: dict[tuple[Any, ...], _Loaded] = {}
+# The model's output weight converted to the head dtype, by id(weight), with a weak
+# reference and the tensor's version counter to notice a replaced or modified weight.
+_LM_CACHE: dict[tuple[Any, ...], tuple[weakref.ref, int, torch.dtype, torch.Tensor]] = {}
+_LOCK = threading.Lock()
+
+
+def load_heads(heads: str | os.PathLike, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+               head_dtype: torch.dtype | None = None) -> _Loaded:
+    """Heads from ``heads`` (a folder or ``"default"``), packed in ``dtype`` on ``device``
+    (own output layers in ``head_dtype``), cached for the life of the process."""
+    path = resolve_heads_dir(heads)
+    stamp = max((p.stat().st_mtime_ns for p in path.iterdir() if p.is_file()), default=0)
+    device = torch.device(device)
+    key = (str(path), stamp, dtype, str(device), head_dtype)
+    with _LOCK:
+        hit = _HEADS_CACHE.get(key)
+        if hit is None:
+            module = MedusaHeads.from_pretrained(path)
+            hit = _Loaded(
+                packed=module.pack(dtype, device, head_dtype),
+                num_heads=module.num_heads,
+                hidden_size=module.hidden_size,
+                vocab_size=module.vocab_size,
+                own_lm_head=module.own_lm_head,
+                topk_accuracy=module.topk_accuracy,
+                source=path,
+            )
+            _HEADS_CACHE[key] = hit
+    return hit
+
+
+def _lm_weight(weight: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight`` ([V, H]; only ``rows`` if given) in ``dtype``: the tensor itself, or a
+    cached converted copy. ``rows`` must be a long-lived tensor (the cached heads' subset)."""
+    if weight.dtype == dtype and rows is None:
+        return weight
+    key = (id(weight), dtype, id(rows) if rows is not None else None)
+    with _LOCK:
+        hit = _LM_CACHE.get(key)
+        if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+            return hit[3]
+        copy = weight.detach()
+        copy = (copy[rows] if rows is not None else copy).to(dtype).contiguous()
+        for k in [k for k, v in _LM_CACHE.items() if v[0]() is None]:
+            del _LM_CACHE[k]
+        _LM_CACHE[key] = (weakref.ref(weight), weight._version, dtype, copy)
+        return copy
+
+
+def _bf16_fast_on_cpu() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # pragma: no cover - older / unusual builds
+        return False
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# --------------------------------------------------------------------------- the drafter
+
+
+@dataclass
+class _State:
+    loaded: _Loaded
+    lm_weight: torch.Tensor | None  # [V, H] the model's output weight in the head dtype
+    lm_bias: torch.Tensor | None
+    paths: tuple[TreePath, ...]
+    arrays: dict[int, TreeArrays] = field(default_factory=dict)  # by node count
+    topk: dict[int, int] = field(default_factory=dict)  # node count -> top tokens needed per head
+
+    def tree(self, n: int) -> tuple[TreeArrays, int]:
+        arrays = self.arrays.get(n)
+        if arrays is None:
+            paths = self.paths[:n]
+            arrays = self.arrays[n] = tree_arrays(paths, device=self.loaded.packed.weight.device)
+            self.topk[n] = max(p[-1] for p in paths) + 1
+        return arrays, self.topk[n]
+
+
+@register
+class Medusa(Drafter):
+    """Medusa heads draft a tree of the heads' top tokens from the verifier's hidden state.
+
+    Lossless like every drafter here: the verifier decides, so greedy output is unchanged
+    and sampling stays exact (the drafts are deterministic top-k tokens).
+
+    ``Medusa()`` uses the heads shipped for the default model; ``Medusa(heads=DIR)`` heads
+    trained with ``accel train-heads`` or saved in the official Medusa format.
+    """
+
+    name: ClassVar[str] = "medusa"
+    needs_hidden: ClassVar[bool] = True
+
+    heads: str = Field("default", description="folder of trained heads (ours or the official format), or 'default'")
+    tree: str | tuple[tuple[int, ...], ...] = Field(
+        "auto",
+        description="'auto' (built for max_nodes from the heads' measured accuracies), a named tree "
+        f"({', '.join(TREES)}), or explicit index paths like [[0], [1], [0, 0]]",
+    )
+    max_nodes: int = Field(DEFAULT_MAX_NODES, ge=1, le=1024, description="draft nodes per verify step at most")
+    head_dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="dtype of the heads' vocabulary projection: 'auto' = bfloat16 on CPUs with fast bf16 "
+        "matmuls when the model is float32 (drafts only, the verifier is unaffected), else the model's",
+    )
+
+    @field_validator("tree", mode="before")
+    @classmethod
+    def _check_tree(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            if value != "auto" and value not in TREES:
+                raise ValueError(f"unknown tree {value!r}; use 'auto', one of {sorted(TREES)} or a list of index paths")
+            return value
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("an explicit tree needs at least one path")
+            if not all(isinstance(p, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in p) for p in value):
+                raise ValueError("an explicit tree is a list of index paths, each a list of non-negative ints")
+            return check_paths(value, what="tree")
+        raise ValueError(f"tree must be 'auto', a tree name or a list of index paths, got {type(value).__name__}")
+
+    @field_serializer("tree")
+    def _dump_tree(self, value: Any) -> Any:
+        return value if isinstance(value, str) else [list(p) for p in value]  # plain lists for YAML / JSON
+
+    @classmethod
+    def from_pretrained(cls, heads: str | os.PathLike = "default", **fields: Any) -> "Medusa":
+        """A Medusa drafter over the heads in ``heads`` (loaded now, so a bad file fails here)."""
+        path = "default" if os.fspath(heads) == "default" else str(resolve_heads_dir(heads))
+        load_heads(path)
+        return cls(heads=path, **fields)
+
+    # ------------------------------------------------------------------ per request
+
+    def paths_for(self, loaded: _Loaded) -> tuple[TreePath, ...]:
+        """The tree's index paths for these heads, at most ``max_nodes`` of them."""
+        depth = loaded.num_heads
+        if self.tree == "auto":
+            if loaded.topk_accuracy:
+                return build_tree(rank_accuracies(loaded.topk_accuracy), self.max_nodes)
+            return truncate_paths(TREES["mc_sim_7b_63"], self.max_nodes, depth)
+        if isinstance(self.tree, str):
+            return truncate_paths(TREES[self.tree], self.max_nodes, depth)
+        deepest = max(len(p) for p in self.tree)
+        if deepest > depth:
+            raise ValueError(f"medusa.tree has paths {deepest} deep but the heads in '{loaded.source}' are {depth}")
+        return truncate_paths(self.tree, self.max_nodes)
+
+    def start(self, model: Any, prompt: torch.Tensor) -> _State:
+        out = model.get_output_embeddings()
+        param = next(model.parameters())
+        model_dtype, device = param.dtype, param.device
+        if self.head_dtype == "auto":
+            fast = device.type == "cpu" and model_dtype == torch.float32 and _bf16_fast_on_cpu()
+            head_dtype = torch.bfloat16 if fast else model_dtype
+        else:
+            head_dtype = model_dtype if self.head_dtype == "model" else _DTYPES[self.head_dtype]
+        loaded = load_heads(self.heads, model_dtype, device, head_dtype)
+        hidden = model.config.get_text_config(decoder=True).hidden_size
+        if loaded.hidden_size != hidden:
+            raise ValueError(
+                f"the Medusa heads in '{loaded.source}' have hidden size {loaded.hidden_size}, but the model "
+                f"({type(model).__name__}) has hidden size {hidden}: they were trained for another model"
+            )
+        weight = getattr(out, "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"{type(model).__name__} has no output layer weight; Medusa heads need one")
+        vocab = int(weight.shape[0])
+        if loaded.vocab_size != vocab:
+            raise ValueError(
+                f"the Medusa heads in '{loaded.source}' predict {loaded.vocab_size} tokens, but the model's "
+                f"vocabulary has {vocab}: they were trained for another model"
+            )
+        lm_weight = lm_bias = None
+        if not loaded.own_lm_head:
+            subset = loaded.packed.subset
+            lm_weight = _lm_weight(weight, head_dtype, subset)
+            lm_bias = getattr(out, "bias", None)
+            if lm_bias is not None and subset is not None:
+                lm_bias = lm_bias[subset]
+        return _State(loaded, lm_weight, lm_bias, self.paths_for(loaded))
+
+    def propose(self, state: _State, ctx: DraftContext) -> DraftProposal | None:
+        if ctx.hidden is None:
+            raise ValueError("Medusa needs the verifier's hidden state (DraftContext.hidden); the engine did not pass it")
+        n = min(len(state.paths), ctx.max_tokens)
+        if n <= 0:
+            return None
+        arrays, k = state.tree(n)
+        loaded = state.loaded
+        top = loaded.packed.top_tokens(ctx.hidden.reshape(-1), k, loaded.num_heads, state.lm_weight, state.lm_bias)
+        return DraftProposal(tokens=arrays.tokens(top), parents=arrays.parents)

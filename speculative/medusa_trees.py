@@ -1,0 +1,190 @@
+"""Medusa draft trees: which top-k candidates of which head a verify step checks.
+
+A tree is a list of index PATHS, the notation of the Medusa paper (Cai et al. 2024): a path
+``(i0, i1, ..., id)`` is the node reached by taking head 1's rank-``i0`` token, then head 2's
+rank-``i1`` token below it, and so on (rank 0 = the head's top token). Every path's parent
+(the path minus its last index) must be in the tree too. The root (the pending token, which
+the base model's own head chose) is implicit.
+
+    paths [(0,), (1,), (0, 0)]   with head tops  head 1: [a, b, ...], head 2: [c, ...]
+    ->  root ─┬─ a (node 1) ── c (node 3)        tokens  [a, b, c]
+              └─ b (node 2)                       parents [0, 0, 1]
+
+:func:`build_tree` grows a tree for a node budget from measured per-head accuracies, as the
+paper describes: the expected number of accepted tokens of a tree is the sum, over its
+nodes, of the product of the per-depth accuracies along the node's path, and the greedy
+choice adds the path with the highest such product, one node at a time.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+__all__ = [
+    "Path",
+    "TREES",
+    "MC_SIM_7B_63",
+    "TreeArrays",
+    "build_tree",
+    "check_paths",
+    "expected_acceptance",
+    "rank_accuracies",
+    "tree_arrays",
+    "truncate_paths",
+]
+
+Path = tuple[int, ...]
+
+#: The 63-node sparse tree the Medusa authors tuned on Vicuna-7B and released with the paper
+#: (``mc_sim_7b_63``; Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework
+#: with Multiple Decoding Heads"). Data only: paths in the authors' priority order, 4 deep.
+MC_SIM_7B_63: tuple[Path, ...] = (
+    (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
+    (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
+    (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
+    (2, 1), (0, 0, 4), (0, 0, 5), (0, 0, 0, 0), (0, 1, 1), (0, 0, 6), (0, 3, 0), (5, 0),
+    (1, 3), (0, 0, 7), (0, 0, 8), (0, 0, 9), (6, 0), (0, 4, 0), (1, 4), (7, 0), (0, 1, 2),
+    (2, 0, 0), (3, 1), (2, 2), (8, 0), (0, 5, 0), (1, 5), (1, 0, 1), (0, 2, 1), (9, 0),
+    (0, 6, 0), (0, 0, 0, 1), (1, 6), (0, 7, 0),
+)
+
+#: Named trees. ``chain``: each head's top token in a line (as deep as there are heads).
+TREES: dict[str, tuple[Path, ...]] = {
+    "mc_sim_7b_63": MC_SIM_7B_63,
+    "chain": ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)),
+}
+
+
+def check_paths(paths: Iterable[Sequence[int]], what: str = "tree") -> tuple[Path, ...]:
+    """Validate index paths and return them as tuples, in the given order.
+
+    Each path must be non-empty, hold ranks >= 0, appear once, and have its parent (the path
+    minus its last index) earlier in the list. Raises ValueError naming the offending path.
+    """
+    out: list[Path] = []
+    seen: set[Path] = set()
+    for raw in paths:
+        path = tuple(int(i) for i in raw)
+        if not path:
+            raise ValueError(f"{what}: empty path (the root is implicit; list only draft nodes)")
+        if any(i < 0 for i in path):
+            raise ValueError(f"{what}: path {list(path)} has a negative rank")
+        if path in seen:
+            raise ValueError(f"{what}: path {list(path)} appears twice")
+        if len(path) > 1 and path[:-1] not in seen:
+            raise ValueError(f"{what}: path {list(path)} comes before (or without) its parent {list(path[:-1])}")
+        seen.add(path)
+        out.append(path)
+    return tuple(out)
+
+
+def truncate_paths(paths: Sequence[Path], max_nodes: int, max_depth: int | None = None) -> tuple[Path, ...]:
+    """The first ``max_nodes`` paths no deeper than ``max_depth`` whose parent was kept.
+
+    Paths are taken in order, so a priority-ordered tree truncates to its best sub-tree.
+    """
+    kept: list[Path] = []
+    keep: set[Path] = set()
+    for path in paths:
+        if len(kept) >= max_nodes:
+            break
+        if max_depth is not None and len(path) > max_depth:
+            continue
+        if len(path) > 1 and path[:-1] not in keep:
+            continue
+        kept.append(path)
+        keep.add(path)
+    return tuple(kept)
+
+
+def rank_accuracies(topk_accuracy: Sequence[Sequence[float]]) -> list[list[float]]:
+    """Per-rank accuracies from cumulative top-k accuracies.
+
+    topk_accuracy[k][i]: fraction of positions where head k's target is among its top i+1
+    tokens. Returns a[k][i]: the fraction where it is exactly the rank-i token.
+    """
+    out = []
+    for row in topk_accuracy:
+        prev, ranks = 0.0, []
+        for cum in row:
+            ranks.append(max(0.0, float(cum) - prev))
+            prev = max(prev, float(cum))
+        out.append(ranks)
+    return out
+
+
+def expected_acceptance(paths: Iterable[Path], accuracies: Sequence[Sequence[float]]) -> float:
+    """Expected accepted drafts per step (bonus excluded) under independent heads:
+    the sum over nodes of the product of ``accuracies[depth][rank]`` along the path."""
+    total = 0.0
+    for path in paths:
+        p = 1.0
+        for depth, rank in enumerate(path):
+            row = accuracies[depth] if depth < len(accuracies) else ()
+            p *= row[rank] if rank < len(row) else 0.0
+        total += p
+    return total
+
+
+def build_tree(accuracies: Sequence[Sequence[float]], max_nodes: int) -> tuple[Path, ...]:
+    """The tree of at most ``max_nodes`` nodes that greedily maximises expected acceptance.
+
+    accuracies: [K][topk] per-rank accuracies, ``accuracies[k][i]`` the probability that head
+        k+1's rank-i token is the right one (see :func:`rank_accuracies`); K bounds the depth.
+    Returns paths in the order they were added (best first, parents before children), so
+    any prefix is the greedy tree of that size. Ties go to the shallower, then smaller path.
+    """
+    depth_max = len(accuracies)
+    if max_nodes <= 0 or depth_max == 0:
+        return ()
+    heap: list[tuple[float, int, Path]] = []
+
+    def push_children(parent: Path, value: float) -> None:
+        depth = len(parent)
+        if depth >= depth_max:
+            return
+        for rank, acc in enumerate(accuracies[depth]):
+            child = parent + (rank,)
+            heapq.heappush(heap, (-value * float(acc), len(child), child))
+
+    push_children((), 1.0)
+    out: list[Path] = []
+    while heap and len(out) < max_nodes:
+        neg, _, path = heapq.heappop(heap)
+        out.append(path)
+        push_children(path, -neg)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class TreeArrays:
+    """A tree of N paths laid out for :class:`accel.strategy.DraftProposal`.
+
+    head: LongTensor [N], which head (0-based, = depth - 1) supplies each node's token.
+    rank: LongTensor [N], which of that head's top tokens it is.
+    parents: LongTensor [N], parent node of each node (0 = root, i = the i-th path).
+    """
+
+    head: torch.Tensor
+    rank: torch.Tensor
+    parents: torch.Tensor
+
+    def tokens(self, top: torch.Tensor) -> torch.Tensor:
+        """Draft tokens [N] from per-head top tokens ``top`` [K, topk]."""
+        return top[self.head, self.rank]
+
+
+def tree_arrays(paths: Sequence[Path], device: torch.device | str | None = None) -> TreeArrays:
+    """Node arrays of ``paths`` (validated, in order: node i+1 is ``paths[i]``)."""
+    paths = check_paths(paths)
+    index = {p: i + 1 for i, p in enumerate(paths)}
+    parents = [index[p[:-1]] if len(p) > 1 else 0 for p in paths]
+    return TreeArrays(
+        head=torch.tensor([len(p) - 1 for p in paths], dtype=torch.long, device=device),
+        rank=torch.tensor([p[-1] for p in paths], dtype=torch.long, device=device),
+        parents=torch.tensor(parents, dtype=torch.long, device=device),
+    )

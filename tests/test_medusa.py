@@ -1,0 +1,474 @@
+"""Medusa heads: exactness of decoding with them, files (ours and the official format), trees."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import accel
+from accel.strategy import DraftContext, StrategyError, build_strategy
+from helpers import TINY_VOCAB, make_tiny_model
+from snapkv import SnapKV
+from speculative import Medusa, MedusaHeads
+from speculative.medusa import CONFIG_NAME, DEFAULT_HEADS_DIR, WEIGHTS_NAME, load_heads
+from speculative.medusa_trees import (
+    MC_SIM_7B_63,
+    TREES,
+    build_tree,
+    check_paths,
+    expected_acceptance,
+    rank_accuracies,
+    tree_arrays,
+    truncate_paths,
+)
+
+HIDDEN = 64  # hidden size of the tiny models
+
+
+def random_heads(num_heads: int = 3, num_layers: int = 1, own_lm_head: bool = False, seed: int = 0, std: float = 0.3) -> MedusaHeads:
+    heads = MedusaHeads(num_heads, HIDDEN, TINY_VOCAB, num_layers, own_lm_head)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return heads
+
+
+def _prompt(seed: int, n: int) -> torch.Tensor:
+    base = torch.randint(2, TINY_VOCAB, (max(4, n // 3),), generator=torch.Generator().manual_seed(seed))
+    return base.repeat(4)[:n].unsqueeze(0)
+
+
+def _generate(model, ids, strategies, new=30):
+    return accel.generate(model, ids, strategies=strategies, max_new_tokens=new, eos_token_id=[])
+
+
+# --------------------------------------------------------------------------- exactness
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("tree", ["auto", "mc_sim_7b_63", "chain", ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))])
+def test_greedy_output_is_unchanged_by_medusa(tmp_path, compressed, tree):
+    model = make_tiny_model(seed=21)
+    ids = _prompt(1, 48)
+    base = [SnapKV(budget=16, window=4, kernel=3)] if compressed else []
+    random_heads(seed=1).save_pretrained(tmp_path)
+    ref = _generate(model, ids, base)
+    out = _generate(model, ids, base + [Medusa(heads=str(tmp_path), tree=tree, max_nodes=12)])
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.drafted_tokens > 0
+
+
+def test_compressed_reference_differs_from_full():
+    # the SnapKV case above is a real test only if compression changes the output
+    model = make_tiny_model(seed=21)
+    ids = _prompt(1, 48)
+    assert not torch.equal(_generate(model, ids, []).sequences,
+                           _generate(model, ids, [SnapKV(budget=16, window=4, kernel=3)]).sequences)
+
+
+@pytest.mark.parametrize("head_dtype", ["float32", "bfloat16", "model"])
+def test_identity_heads_accept_on_repetitive_output_and_stay_exact(tmp_path, head_dtype):
+    # Fresh heads are the identity: every head proposes the base model's next-token choice
+    # at the last verified position. Some of those drafts are right, so tokens get accepted.
+    model = make_tiny_model(seed=22)
+    ids = _prompt(2, 40)
+    MedusaHeads(3, HIDDEN, TINY_VOCAB).save_pretrained(tmp_path)
+    ref = _generate(model, ids, [], new=40)
+    out = _generate(model, ids, [Medusa(heads=str(tmp_path), head_dtype=head_dtype)], new=40)
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_medusa_composes_with_other_drafters_and_sampling(tmp_path):
+    from speculative import PromptLookup
+
+    model = make_tiny_model(seed=23)
+    ids = _prompt(3, 40)
+    random_heads(seed=3).save_pretrained(tmp_path)
+    medusa = Medusa(heads=str(tmp_path), max_nodes=6)
+    ref = _generate(model, ids, [], new=25)
+    out = _generate(model, ids, [PromptLookup(num_tokens=4), medusa], new=25)
+    assert torch.equal(out.sequences, ref.sequences)
+    # top_k=1 makes sampling a point mass: lossless sampling must reproduce greedy output
+    sampled = accel.generate(model, ids, strategies=[medusa], max_new_tokens=25, temperature=1.0, top_k=1, seed=0,
+                             eos_token_id=[])
+    assert torch.equal(sampled.sequences, ref.sequences)
+
+
+def test_propose_builds_the_tree_from_head_top_tokens(tmp_path):
+    model = make_tiny_model(seed=24)
+    heads = random_heads(seed=4)
+    heads.save_pretrained(tmp_path)
+    paths = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    drafter = Medusa(heads=str(tmp_path), tree=paths, head_dtype="float32")
+    state = drafter.start(model, torch.tensor([5, 6, 7]))
+    h = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(0))
+    prop = drafter.propose(state, DraftContext(tokens=torch.tensor([5, 6, 7]), hidden=h, max_tokens=32))
+    with torch.no_grad():
+        top = heads(h, model.get_output_embeddings()).topk(2, dim=-1).indices  # [K, 2]
+    assert prop.tokens.tolist() == [int(top[0, 0]), int(top[0, 1]), int(top[1, 0]), int(top[1, 1]), int(top[2, 0])]
+    assert prop.parents.tolist() == [0, 0, 1, 1, 3]
+    # the engine's budget truncates the tree to a parent-closed prefix
+    small = drafter.propose(state, DraftContext(tokens=torch.tensor([5, 6, 7]), hidden=h, max_tokens=3))
+    assert small.tokens.tolist() == prop.tokens.tolist()[:3] and small.parents.tolist() == [0, 0, 1]
+
+
+def test_propose_without_hidden_is_a_clear_error(tmp_path):
+    random_heads().save_pretrained(tmp_path)
+    drafter = Medusa(heads=str(tmp_path))
+    state = drafter.start(make_tiny_model(), torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="hidden state"):
+        drafter.propose(state, DraftContext(tokens=torch.tensor([1, 2]), hidden=None, max_tokens=8))
+
+
+# --------------------------------------------------------------------------- files
+
+
+@pytest.mark.parametrize("own_lm_head", [False, True])
+def test_save_load_round_trip(tmp_path, own_lm_head):
+    heads = random_heads(num_heads=2, num_layers=2, own_lm_head=own_lm_head, seed=5)
+    heads.info = {"base_model": "tiny", "topk_accuracy": [[0.5] * 10, [0.25] * 10]}
+    heads.save_pretrained(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {WEIGHTS_NAME, CONFIG_NAME}
+    cfg = json.loads((tmp_path / CONFIG_NAME).read_text())
+    assert cfg["num_heads"] == 2 and cfg["num_layers"] == 2 and cfg["hidden_size"] == HIDDEN
+    assert cfg["vocab_size"] == TINY_VOCAB and cfg["own_lm_head"] is own_lm_head and cfg["base_model"] == "tiny"
+    back = MedusaHeads.from_pretrained(tmp_path)
+    assert back.info["topk_accuracy"] == heads.info["topk_accuracy"]
+    for (k1, v1), (k2, v2) in zip(heads.state_dict().items(), back.state_dict().items()):
+        assert k1 == k2 and torch.equal(v1, v2)
+    lm = make_tiny_model().get_output_embeddings()
+    h = torch.randn(3, HIDDEN)
+    with torch.no_grad():
+        assert torch.equal(heads(h, lm), back(h, lm))
+
+
+def test_save_in_bfloat16_loads_back_close(tmp_path):
+    heads = random_heads(seed=6)
+    heads.save_pretrained(tmp_path, dtype=torch.bfloat16)
+    back = MedusaHeads.from_pretrained(tmp_path)
+    for v1, v2 in zip(heads.state_dict().values(), back.state_dict().values()):
+        assert v2.dtype == torch.float32
+        torch.testing.assert_close(v1, v2, rtol=1e-2, atol=1e-2)
+
+
+def test_medusa_from_pretrained_and_config_forms(tmp_path):
+    random_heads().save_pretrained(tmp_path)
+    drafter = Medusa.from_pretrained(tmp_path, max_nodes=8)
+    assert drafter.heads == str(tmp_path.resolve()) and drafter.max_nodes == 8
+    assert build_strategy(drafter.spec()) == drafter
+    explicit = Medusa(tree=[[0], [0, 0]])
+    assert explicit.spec()["tree"] == [[0], [0, 0]] and build_strategy(explicit.spec()) == explicit
+    import yaml
+
+    assert build_strategy(yaml.safe_load(yaml.safe_dump(explicit.spec()))) == explicit
+    assert build_strategy({"name": "medusa", "heads": str(tmp_path), "tree": [[0], [0, 0], [1]]}).tree == ((0,), (0, 0), (1,))
+    assert build_strategy("medusa:max_nodes=4,tree=chain").max_nodes == 4
+    with pytest.raises(StrategyError, match="medusa.tree"):
+        build_strategy({"name": "medusa", "tree": "no_such_tree"})
+    with pytest.raises(StrategyError, match="parent"):
+        build_strategy({"name": "medusa", "tree": [[0, 0]]})
+    with pytest.raises(StrategyError, match="max_nodes"):
+        build_strategy("medusa:max_nodes=0")
+
+
+def _official_modules(num_heads: int, num_layers: int, hidden: int, vocab: int, seed: int) -> nn.ModuleList:
+    """Heads laid out as the official Medusa code lays them out: per head an nn.Sequential of
+    residual blocks (a ``linear`` each) and a final bias-free vocabulary projection."""
+
+    class OfficialResBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(hidden, hidden)
+            self.act = nn.SiLU()
+
+        def forward(self, x):
+            return x + self.act(self.linear(x))
+
+    torch.manual_seed(seed)
+    mods = nn.ModuleList(
+        nn.Sequential(*[OfficialResBlock() for _ in range(num_layers)], nn.Linear(hidden, vocab, bias=False))
+        for _ in range(num_heads)
+    )
+    with torch.no_grad():
+        for p in mods.parameters():
+            p.normal_(0, 0.3)
+    return mods
+
+
+def _write_official(folder: Path, mods: nn.ModuleList, num_heads: int, num_layers: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(mods.state_dict(), folder / "medusa_lm_head.pt")
+    (folder / "config.json").write_text(json.dumps({
+        "medusa_num_heads": num_heads, "medusa_num_layers": num_layers, "base_model_name_or_path": "tiny-llama",
+    }))
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_official_format_checkpoint_loads_with_identical_outputs(tmp_path, num_layers):
+    mods = _official_modules(3, num_layers, HIDDEN, TINY_VOCAB, seed=7)
+    _write_official(tmp_path, mods, 3, num_layers)
+    heads = MedusaHeads.from_pretrained(tmp_path)  # detects the official format
+    assert heads.own_lm_head and heads.num_heads == 3 and heads.num_layers == num_layers
+    assert heads.info["base_model"] == "tiny-llama"
+    h = torch.randn(5, HIDDEN)
+    with torch.no_grad():
+        expected = torch.stack([m(h) for m in mods], dim=-2)
+        torch.testing.assert_close(heads(h), expected, rtol=0, atol=0)
+    # and it drafts, exactly, through the engine (own output layers, no shared lm_head)
+    model = make_tiny_model(seed=25)
+    ids = _prompt(5, 40)
+    ref = _generate(model, ids, [])
+    out = _generate(model, ids, [Medusa(heads=str(tmp_path), max_nodes=8)])
+    assert torch.equal(out.sequences, ref.sequences) and out.stats.drafted_tokens > 0
+    # re-saved in our format, it loads back the same
+    heads.save_pretrained(tmp_path / "ours")
+    again = MedusaHeads.from_pretrained(tmp_path / "ours")
+    with torch.no_grad():
+        torch.testing.assert_close(again(h), expected, rtol=0, atol=0)
+
+
+def test_vocab_subset_round_trip_and_drafts_only_from_it(tmp_path):
+    subset = torch.tensor([3, 5, 8, 13, 21, 34, 55, 89])
+    heads = random_heads(seed=10)
+    heads.set_vocab_subset(subset.flip(0))  # any order; kept sorted
+    assert heads.vocab_subset.tolist() == subset.tolist()
+    heads.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / CONFIG_NAME).read_text())["vocab_subset_size"] == 8
+    back = MedusaHeads.from_pretrained(tmp_path)
+    assert back.vocab_subset.tolist() == subset.tolist()
+    model = make_tiny_model(seed=26)
+    lm = model.get_output_embeddings()
+    h = torch.randn(4, HIDDEN)
+    with torch.no_grad():
+        logits = back(h, lm)
+    outside = torch.ones(TINY_VOCAB, dtype=torch.bool)
+    outside[subset] = False
+    assert torch.isinf(logits[..., outside]).all() and torch.isfinite(logits[..., subset]).all()
+    # the fast path drafts the same top tokens as the module
+    drafter = Medusa(heads=str(tmp_path), tree=((0,), (1,), (0, 0), (0, 0, 0)), head_dtype="float32")
+    state = drafter.start(model, torch.tensor([1]))
+    prop = drafter.propose(state, DraftContext(tokens=torch.tensor([1]), hidden=h[0], max_tokens=8))
+    top = logits[0].topk(2, dim=-1).indices
+    assert prop.tokens.tolist() == [int(top[0, 0]), int(top[0, 1]), int(top[1, 0]), int(top[2, 0])]
+    ids = _prompt(6, 40)
+    assert torch.equal(_generate(model, ids, [drafter]).sequences, _generate(model, ids, []).sequences)
+
+
+def test_bad_vocab_subset_is_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    heads = random_heads()
+    heads.set_vocab_subset(torch.tensor([1, 2, 3]))
+    heads.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / WEIGHTS_NAME))
+    state["vocab_subset"] = torch.tensor([3, 2, 500])
+    save_file(state, str(tmp_path / WEIGHTS_NAME))
+    with pytest.raises(ValueError, match="'vocab_subset' must hold sorted, distinct token ids"):
+        MedusaHeads.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="vocab_subset must hold token ids"):
+        heads.set_vocab_subset(torch.tensor([TINY_VOCAB]))
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+def _good(folder: Path) -> Path:
+    random_heads(num_heads=2).save_pretrained(folder)
+    return folder
+
+
+def test_missing_folder_and_empty_folder(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        MedusaHeads.from_pretrained(tmp_path / "nope")
+    with pytest.raises(ValueError, match="holds no Medusa heads"):
+        MedusaHeads.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda c: c.pop("hidden_size"), "'hidden_size' must be"),
+        (lambda c: c.update(num_heads="two"), "'num_heads' must be"),
+        (lambda c: c.update(own_lm_head="yes"), "'own_lm_head' must be"),
+        (lambda c: c.update(num_heads=3), "missing tensor 'heads.2"),
+        (lambda c: c.update(num_heads=1), "unexpected tensor 'heads.1"),
+        (lambda c: c.update(hidden_size=32), "has shape"),
+        (lambda c: c.update(topk_accuracy=[[0.5]]), "'topk_accuracy'"),
+    ],
+)
+def test_bad_config_is_a_clear_error(tmp_path, edit, message):
+    folder = _good(tmp_path)
+    cfg = json.loads((folder / CONFIG_NAME).read_text())
+    edit(cfg)
+    (folder / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message) as err:
+        MedusaHeads.from_pretrained(folder)
+    assert str(folder) in str(err.value)
+
+
+def test_bad_weights_files_are_clear_errors(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = _good(tmp_path)
+    (folder / CONFIG_NAME).write_text("{not json")
+    with pytest.raises(ValueError, match=f"{CONFIG_NAME}: not a readable JSON"):
+        MedusaHeads.from_pretrained(folder)
+    folder = _good(tmp_path / "b")
+    (folder / WEIGHTS_NAME).write_bytes(b"garbage" * 10)
+    with pytest.raises(ValueError, match=f"{WEIGHTS_NAME}: not a readable safetensors"):
+        MedusaHeads.from_pretrained(folder)
+    folder = _good(tmp_path / "c")
+    state = load_file(str(folder / WEIGHTS_NAME))
+    state["heads.0.blocks.0.linear.weight"] = torch.zeros(HIDDEN, HIDDEN + 1)
+    save_file(state, str(folder / WEIGHTS_NAME))
+    with pytest.raises(ValueError, match=r"'heads.0.blocks.0.linear.weight' has shape \(64, 65\), expected \(64, 64\)"):
+        MedusaHeads.from_pretrained(folder)
+    folder = _good(tmp_path / "d")
+    (folder / WEIGHTS_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match=WEIGHTS_NAME):
+        MedusaHeads.from_pretrained(folder)
+
+
+def test_heads_for_another_model_are_refused_at_start(tmp_path):
+    MedusaHeads(2, 32, TINY_VOCAB).save_pretrained(tmp_path / "hidden")
+    MedusaHeads(2, HIDDEN, TINY_VOCAB + 3).save_pretrained(tmp_path / "vocab")
+    model = make_tiny_model()
+    with pytest.raises(ValueError, match="hidden size 32, but the model .* has hidden size 64"):
+        Medusa(heads=str(tmp_path / "hidden")).start(model, torch.tensor([1]))
+    with pytest.raises(ValueError, match="predict 100 tokens, but the model's vocabulary has 97"):
+        Medusa(heads=str(tmp_path / "vocab")).start(model, torch.tensor([1]))
+    with pytest.raises(ValueError, match="paths 4 deep but the heads .* are 2"):
+        Medusa(heads=str(tmp_path / "hidden"), tree=[[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]).paths_for(
+            load_heads(str(tmp_path / "hidden")))
+
+
+class _NotAllowed:  # a pickled class: torch.load(weights_only=True) must refuse it
+    pass
+
+
+def test_bad_official_files_are_clear_errors(tmp_path):
+    mods = _official_modules(2, 1, HIDDEN, TINY_VOCAB, seed=8)
+    _write_official(tmp_path / "a", mods, 2, 1)
+    (tmp_path / "a" / "config.json").write_text(json.dumps({"medusa_num_layers": 1}))
+    with pytest.raises(ValueError, match="'medusa_num_heads' must be"):
+        MedusaHeads.from_pretrained(tmp_path / "a")
+    _write_official(tmp_path / "b", mods, 3, 1)  # the config claims one head more than the file has
+    with pytest.raises(ValueError, match=r"medusa_lm_head.pt: missing tensor '2.0.linear.weight'"):
+        MedusaHeads.from_pretrained(tmp_path / "b")
+    _write_official(tmp_path / "c", mods, 2, 2)  # wrong layer count
+    with pytest.raises(ValueError, match="missing '0.2.weight'"):
+        MedusaHeads.from_pretrained(tmp_path / "c")
+    _write_official(tmp_path / "d", mods, 1, 1)  # fewer heads than the file
+    with pytest.raises(ValueError, match="unexpected tensors"):
+        MedusaHeads.from_pretrained(tmp_path / "d")
+    _write_official(tmp_path / "e", mods, 2, 1)
+    torch.save({"head": _NotAllowed()}, tmp_path / "e" / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match=r"weights_only=True"):
+        MedusaHeads.from_pretrained(tmp_path / "e")
+    _write_official(tmp_path / "f", mods, 2, 1)
+    torch.save([1, 2, 3], tmp_path / "f" / "medusa_lm_head.pt")
+    with pytest.raises(ValueError, match="expected a state dict"):
+        MedusaHeads.from_pretrained(tmp_path / "f")
+
+
+def test_loaded_heads_are_cached_per_folder_dtype_and_device(tmp_path):
+    random_heads().save_pretrained(tmp_path)
+    a = load_heads(str(tmp_path))
+    assert load_heads(str(tmp_path)) is a
+    assert load_heads(str(tmp_path), dtype=torch.float64) is not a
+    random_heads(seed=9).save_pretrained(tmp_path)  # rewritten: the cache notices
+    assert not torch.equal(load_heads(str(tmp_path)).packed.weight, a.packed.weight)
+
+
+# --------------------------------------------------------------------------- trees
+
+
+def test_build_tree_picks_the_paths_with_the_highest_expected_acceptance():
+    acc = [[0.6, 0.2, 0.1], [0.5, 0.2], [0.4]]
+    # values: (0,) .6, (0,0) .3, (1,) .2, (0,1) .12 = (0,0,0) .12 (shallower first), (2,) .1, (1,0) .1
+    assert build_tree(acc, 4) == ((0,), (0, 0), (1,), (0, 1))
+    assert build_tree(acc, 7) == ((0,), (0, 0), (1,), (0, 1), (0, 0, 0), (2,), (1, 0))
+    assert build_tree(acc, 0) == ()
+    full = build_tree(acc, 100)  # every path of the 3 x 2 x 1 ranks
+    assert len(full) == 3 + 3 * 2 + 3 * 2 * 1 and check_paths(full) == full
+    # greedy: each prefix is the best tree of its size, and expected acceptance grows
+    values = [expected_acceptance(full[:n], acc) for n in range(1, len(full) + 1)]
+    assert values == sorted(values)
+    assert expected_acceptance(build_tree(acc, 4), acc) == pytest.approx(0.6 + 0.3 + 0.2 + 0.12)
+
+
+def test_rank_accuracies_from_cumulative_top_k():
+    ranks = rank_accuracies([[0.5, 0.7, 0.8], [0.2, 0.2, 0.3]])
+    assert ranks[0] == pytest.approx([0.5, 0.2, 0.1]) and ranks[1] == pytest.approx([0.2, 0.0, 0.1])
+
+
+def test_named_trees_and_path_checks():
+    assert len(MC_SIM_7B_63) == 63 and check_paths(MC_SIM_7B_63) == MC_SIM_7B_63
+    assert max(len(p) for p in MC_SIM_7B_63) == 4 and "mc_sim_7b_63" in TREES
+    assert truncate_paths(MC_SIM_7B_63, 5) == ((0,), (0, 0), (1,), (0, 1), (2,))
+    assert truncate_paths(MC_SIM_7B_63, 6, max_depth=2) == ((0,), (0, 0), (1,), (0, 1), (2,), (1, 0))
+    with pytest.raises(ValueError, match="parent"):
+        check_paths([(0, 1)])
+    with pytest.raises(ValueError, match="twice"):
+        check_paths([(0,), (0,)])
+    with pytest.raises(ValueError, match="negative"):
+        check_paths([(-1,)])
+
+
+def test_tree_arrays_give_tokens_and_parents():
+    arrays = tree_arrays([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    assert arrays.parents.tolist() == [0, 0, 1, 1, 2, 3]
+    top = torch.tensor([[10, 11], [20, 21], [30, 31]])
+    assert arrays.tokens(top).tolist() == [10, 11, 20, 21, 20, 30]
+
+
+# --------------------------------------------------------------------------- shipped heads
+
+
+def test_shipped_default_heads_load_for_smollm2():
+    if not (DEFAULT_HEADS_DIR / CONFIG_NAME).is_file():
+        pytest.fail(f"no heads shipped in {DEFAULT_HEADS_DIR}")
+    heads = MedusaHeads.from_pretrained("default")
+    assert heads.hidden_size == 576 and heads.vocab_size == 49152 and not heads.own_lm_head
+    assert heads.info["base_model"] == "SmolLM2-135M-Instruct"
+    acc = heads.topk_accuracy
+    assert acc is not None and len(acc) == heads.num_heads and all(len(r) == 10 for r in acc)
+    assert sum(p.stat().st_size for p in DEFAULT_HEADS_DIR.iterdir()) < 8 * 2**20
+    drafter = Medusa.from_pretrained("default")
+    assert drafter.heads == "default"
+    assert len(drafter.paths_for(load_heads("default"))) == drafter.max_nodes
+
+
+@pytest.mark.real_model
+def test_medusa_on_the_default_model_is_exact_and_accepts(default_model):
+    from accel.models import chat_ids
+
+    model, tokenizer = default_model
+    # a held-out prompt (speculative/data/eval_prompts.txt), never trained on
+    ids = chat_ids(tokenizer, "Write a Python function that counts the vowels in a string.")
+    ref = accel.generate(model, ids, max_new_tokens=96, tokenizer=tokenizer)
+    out = accel.generate(model, ids, strategies=[Medusa()], max_new_tokens=96, tokenizer=tokenizer)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.mean_accepted > 1.3
+    wide = accel.generate(model, ids, strategies=[Medusa(max_nodes=32)], max_new_tokens=96, tokenizer=tokenizer)
+    assert torch.equal(wide.sequences, ref.sequences)
+    assert wide.stats.mean_accepted > 1.5
+
+
+@pytest.mark.real_model
+def test_medusa_with_snapkv_on_the_default_model_is_exact(default_model):
+    from accel.models import chat_ids
+
+    model, tokenizer = default_model
+    text = " ".join(f"Item {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7} marbles." for i in range(60))
+    ids = chat_ids(tokenizer, f"{text}\n\nHow many marbles does item 12 hold?")
+    snap = SnapKV(budget=128, window=16, kernel=5)
+    ref = accel.generate(model, ids, strategies=[snap], max_new_tokens=48, tokenizer=tokenizer)
+    out = accel.generate(model, ids, strategies=[snap, Medusa()], max_new_tokens=48, tokenizer=tokenizer)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.kv_bytes_kept < out.stats.kv_bytes_full

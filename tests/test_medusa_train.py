@@ -1,0 +1,151 @@
+"""Medusa head training: self-distilled data, the loss going down, checkpoints and resuming."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import accel
+from helpers import TINY_VOCAB, make_tiny_model
+from speculative import Medusa, MedusaHeads
+from speculative.medusa import CONFIG_NAME, WEIGHTS_NAME
+from speculative.train import (
+    EVAL_PROMPTS,
+    TRAIN_PROMPTS,
+    Sequences,
+    TrainConfig,
+    evaluate_heads,
+    generate_batch,
+    load_prompts,
+    make_examples,
+    medusa_loss,
+    train_heads,
+)
+
+
+class CharTokenizer:
+    """Just enough tokenizer for the tiny models: one id per character, a fake chat template."""
+
+    pad_token_id = 0
+    eos_token_id = 1
+    padding_side = "right"
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        return "".join(f"[{m['role']}]{m['content']}" for m in messages) + ("[assistant]" if add_generation_prompt else "")
+
+    def __call__(self, texts, return_tensors="pt", padding=True, add_special_tokens=False):
+        rows = [[2 + ord(c) % (TINY_VOCAB - 2) for c in t] for t in texts]
+        n = max(map(len, rows))
+        ids = torch.zeros(len(rows), n, dtype=torch.long)
+        mask = torch.zeros(len(rows), n, dtype=torch.long)
+        for i, r in enumerate(rows):
+            if self.padding_side == "left":
+                ids[i, n - len(r):], mask[i, n - len(r):] = torch.tensor(r), 1
+            else:
+                ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+
+PROMPTS = [f"tell me about thing number {i} and why it matters" for i in range(12)]
+
+
+def _cfg(tmp_path, **kw) -> TrainConfig:
+    base = dict(out=str(tmp_path), num_heads=2, max_new_tokens=20, gen_batch_size=5, epochs=3, batch_size=32,
+                lr=3e-3, warmup_steps=2, checkpoint_every=3, holdout=0.2, seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_generated_hidden_states_are_the_ones_that_chose_each_token():
+    model = make_tiny_model(seed=31)
+    toks, states = generate_batch(model, CharTokenizer(), PROMPTS[:3], max_new_tokens=10, eos=[1])
+    for t, h in zip(toks, states):
+        assert t.numel() == h.shape[0] > 0 and h.shape[1] == 64
+        with torch.no_grad():
+            assert torch.equal(model.get_output_embeddings()(h).argmax(-1), t)
+
+
+def test_make_examples_targets_are_the_following_tokens():
+    seqs = Sequences(tokens=torch.tensor([10, 11, 12, 13, 20, 21]), hidden=torch.arange(6.0).unsqueeze(1),
+                     lengths=torch.tensor([4, 2]), prompt_index=torch.tensor([0, 1]))
+    x, y = make_examples(seqs, num_heads=2)
+    assert x.flatten().tolist() == [0.0, 1.0, 2.0, 4.0]  # the last state of a row has no target
+    assert y.tolist() == [[11, 12], [12, 13], [13, -100], [21, -100]]
+
+
+def test_a_few_training_steps_lower_the_loss():
+    model = make_tiny_model(seed=32)
+    toks, states = generate_batch(model, CharTokenizer(), PROMPTS, max_new_tokens=24, eos=[])
+    seqs = Sequences(torch.cat(toks), torch.cat(states), torch.tensor([t.numel() for t in toks]), torch.arange(len(toks)))
+    x, y = make_examples(seqs, num_heads=3)
+    heads = MedusaHeads(3, 64, TINY_VOCAB)
+    lm_weight = model.get_output_embeddings().weight.detach()
+    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, per_head = medusa_loss(heads, x, y, lm_weight)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.8 * losses[0]
+    acc = evaluate_heads(heads, x, y, lm_weight, topk=5)
+    assert len(acc) == 3 and all(len(r) == 5 and r == sorted(r) for r in acc)
+
+
+def test_train_heads_pipeline_writes_heads_and_resumes_exactly(tmp_path):
+    model, tok = make_tiny_model(seed=33), CharTokenizer()
+    full = train_heads(_cfg(tmp_path / "full"), model, tok, prompts=PROMPTS, progress=False)
+    assert (tmp_path / "full" / WEIGHTS_NAME).is_file() and not (tmp_path / "full" / "checkpoint").exists()
+    cfg = json.loads((tmp_path / "full" / CONFIG_NAME).read_text())
+    assert cfg["num_heads"] == 2 and len(cfg["topk_accuracy"]) == 2 and len(cfg["topk_accuracy"][0]) == 10
+    info = cfg["training"]
+    assert info["sequences"] == 12 and info["heldout_sequences"] == 2 and info["steps"] >= 6
+    assert info["final_loss"] < info["first_loss"]
+    assert full.vocab_subset is not None and cfg["vocab_subset_size"] == full.vocab_subset.numel() < TINY_VOCAB
+
+    # interrupted after 4 steps, then resumed: the same heads as the uninterrupted run
+    assert train_heads(_cfg(tmp_path / "split"), model, tok, prompts=PROMPTS, progress=False, stop_after=4) is None
+    assert (tmp_path / "split" / "checkpoint" / "trainer_state.pt").is_file()
+    chunks = sorted((tmp_path / "split" / "data").iterdir())
+    assert len(chunks) == 3  # 12 prompts in chunks of 5, cached
+    resumed = train_heads(_cfg(tmp_path / "split"), model, tok, prompts=PROMPTS, progress=False)
+    assert resumed.info["training"]["cached_chunks"] == 3  # no second generation
+    for a, b in zip(full.state_dict().values(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b)
+
+    # a checkpoint from another run is refused with a clear message
+    train_heads(_cfg(tmp_path / "other"), model, tok, prompts=PROMPTS, progress=False, stop_after=2)
+    with pytest.raises(ValueError, match="different run .*lr"):
+        train_heads(_cfg(tmp_path / "other", lr=1e-2), model, tok, prompts=PROMPTS, progress=False)
+
+    # the trained heads draft, and decoding stays exact
+    ids = torch.tensor([tok(["[user]tell me about thing number 3 and why it matters[assistant]"])["input_ids"][0].tolist()])
+    ref = accel.generate(model, ids, max_new_tokens=20, eos_token_id=[])
+    out = accel.generate(model, ids, strategies=[Medusa(heads=str(tmp_path / "full"))], max_new_tokens=20, eos_token_id=[])
+    assert torch.equal(out.sequences, ref.sequences)
+
+
+def test_shipped_prompt_sets_are_disjoint_from_each_other_and_the_benchmark():
+    train, held_out = load_prompts(TRAIN_PROMPTS), load_prompts(EVAL_PROMPTS)
+    assert len(train) >= 200 and len(set(train)) == len(train) and len(held_out) >= 10
+    assert not set(train) & set(held_out)
+    try:
+        from accel.bench.prompts import CHAT_PROMPTS
+    except ImportError:  # pragma: no cover - the benchmark package is optional here
+        return
+    norm = lambda s: " ".join(s.lower().split())  # noqa: E731
+    assert not {norm(p) for p in train} & {norm(p) for p in CHAT_PROMPTS}
+    assert not {norm(p) for p in held_out} & {norm(p) for p in CHAT_PROMPTS}
+
+
+def test_cli_options_reach_the_config(tmp_path):
+    from accel.cli import build_parser
+    from speculative.train import _config_from_args
+
+    args = build_parser().parse_args(["train-heads", "--out", str(tmp_path), "--heads", "3", "--epochs", "1.5", "--threads", "1"])
+    cfg = _config_from_args(args)
+    assert cfg.num_heads == 3 and cfg.epochs == 1.5 and cfg.threads == 1 and cfg.model == "default"
+    assert cfg.max_new_tokens == TrainConfig(out="").max_new_tokens  # unset options keep the defaults
