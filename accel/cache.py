@@ -181,21 +181,21 @@ class SharedCache(TransformersCache):
 
         ``keep=None`` keeps every appended entry.
         """
+        if keep is not None:
+            offsets = torch.as_tensor(keep, dtype=torch.long)
+            count = int(offsets.numel())
+            moved = bool(count) and not torch.equal(offsets, torch.arange(count))
         for layer in range(self.num_layers):
             pending = self._pending[layer]
             if not pending:
                 continue
             base = self._len[layer] - pending
-            if keep is None:
-                kept = pending
-            else:
-                offsets = torch.as_tensor(keep, dtype=torch.long)
-                kept = int(offsets.numel())
-                if kept and not torch.equal(offsets, torch.arange(kept)):
-                    src = offsets.to(self._k[layer].device) + base
-                    k, v = self._k[layer], self._v[layer]
-                    k[:, :, base : base + kept] = k.index_select(2, src)
-                    v[:, :, base : base + kept] = v.index_select(2, src)
+            kept = pending if keep is None else count
+            if keep is not None and moved:
+                src = offsets.to(self._k[layer].device) + base
+                k, v = self._k[layer], self._v[layer]
+                k[:, :, base : base + kept] = k.index_select(2, src)
+                v[:, :, base : base + kept] = v.index_select(2, src)
             self._len[layer] = base + kept
             self._pending[layer] = 0
         if advance is None:
