@@ -249,7 +249,7 @@ def _decode(model, prompt, plan, geo, stats, max_new_tokens, eos, warp, generato
             acc = accept(tree, adapter.output_logits(model, hidden), warp, plan.rule, generator)
             commit(cache, acc)
 
-            new = [int(tree.tokens[j]) for j in acc.path[1:]] + [acc.next_token]
+            new = acc.emitted(tree)
             for i, t in enumerate(new):
                 if t in eos_set:
                     new = new[: i + 1]
@@ -264,7 +264,7 @@ def _decode(model, prompt, plan, geo, stats, max_new_tokens, eos, warp, generato
             stats.accepted_tokens += acc.accepted
             stats.accepted_per_step.append(acc.accepted)
             if plan.drafters:
-                _feedback(plan, states, source, acc, len(tree.tokens) - 1)
+                _feedback(plan, states, source, acc)
             if last_hidden is not None:
                 last_hidden = hidden[acc.path[-1]]
     stats.decode_s = time.perf_counter() - t1
@@ -275,7 +275,7 @@ def _decode(model, prompt, plan, geo, stats, max_new_tokens, eos, warp, generato
     return prompt.new_tensor(generated), stats
 
 
-def _feedback(plan: Plan, states: list[Any], source: torch.Tensor | None, acc: Acceptance, drafted: int) -> None:
+def _feedback(plan: Plan, states: list[Any], source: torch.Tensor | None, acc: Acceptance) -> None:
     if source is None:
         for d, s in zip(plan.drafters, states):
             d.feedback(s, 0, 0)
