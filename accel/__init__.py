@@ -23,6 +23,7 @@ __all__ = [
     "SharedCache",
     "load_model",
     "load_default",
+    "prepack",
     "Strategy",
     "PromptCompressor",
     "Drafter",
@@ -46,6 +47,7 @@ _LAZY = {
     "SharedCache": "cache",
     "load_model": "models",
     "load_default": "models",
+    "prepack": "cpu",
 }
 
 

@@ -290,6 +290,7 @@ def load_default(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
+    prepack: bool = True,
 ):
     """Load the default model, SmolLM2-135M-Instruct, and its tokenizer.
 
@@ -302,6 +303,9 @@ def load_default(
     Returns ``(model, tokenizer)``: a ``LlamaForCausalLM`` in eval mode on ``device`` in
     ``dtype``, and a fast tokenizer with the ChatML chat template (``<|im_start|>`` /
     ``<|im_end|>``; eos = pad = ``<|im_end|>``).
+
+    ``prepack`` (float32 on a CPU): lay the linear weights out once for oneDNN, see
+    :func:`accel.cpu.prepack` (1.4x faster decoding; ``model.generate`` runs the same kernels).
     """
     gguf = default_gguf_path()
     dest = default_checkpoint_dir()
@@ -310,7 +314,15 @@ def load_default(
         _convert_default(gguf, dest, fingerprint)
     model, tokenizer = _load_checkpoint(dest, dtype, device, attn_implementation)
     _fix_special_tokens(model, tokenizer)
-    return model, tokenizer
+    return _prepacked(model, prepack), tokenizer
+
+
+def _prepacked(model, prepack: bool):
+    if prepack:
+        from .cpu import prepack as _prepack
+
+        _prepack(model)
+    return model
 
 
 # --------------------------------------------------------------------------------------------
@@ -415,6 +427,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
+    prepack: bool = True,
 ):
     """Load a causal LM and its tokenizer, from local files only.
 
@@ -427,7 +440,9 @@ def load_model(
     - a Hugging Face hub id, which works only if it is already in the local HF cache.
 
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``. The
-    tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files.
+    tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files. With
+    ``prepack`` (the default) float32 linear layers on a CPU are packed for oneDNN once
+    (:func:`accel.cpu.prepack`).
 
     Raises ``ValueError`` if the checkpoint is not a causal LM (the message names its class),
     and :class:`ModelNotAvailableError` (a ``FileNotFoundError``) if nothing local matches --
@@ -435,8 +450,12 @@ def load_model(
     """
     name = os.fspath(name_or_path)
     if name == "default":
-        return load_default(dtype=dtype, device=device, attn_implementation=attn_implementation)
+        return load_default(dtype=dtype, device=device, attn_implementation=attn_implementation, prepack=prepack)
+    model, tokenizer = _load_named(name, dtype, device, attn_implementation)
+    return _prepacked(model, prepack), tokenizer
 
+
+def _load_named(name: str, dtype, device, attn_implementation):
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():

@@ -18,6 +18,7 @@ import torch
 from accel import adapter
 from accel.cache import SharedCache
 from accel.engine import prefill, verify
+from accel.cpu import is_prepacked, prepack
 from accel.models import load_model
 from speculative import DraftTree
 
@@ -29,10 +30,13 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--sizes", type=int, nargs="+", default=[0, 1, 3, 7, 15, 31, 63])
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--no-prepack", action="store_true", help="keep transformers' nn.Linear (no accel.cpu.prepack)")
     args = ap.parse_args()
     model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
+    if not args.no_prepack:
+        prepack(model)
     geo = adapter.geometry(model)
-    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()}")
+    print(f"model={args.model} dtype={args.dtype} prepacked={is_prepacked(model)} threads={torch.get_num_threads()}")
     print("context  drafts  ms/verify  x single-token")
     with torch.inference_mode(), adapter.packed_gqa_attention(model):
         for ctx in args.contexts:

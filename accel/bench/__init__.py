@@ -69,7 +69,9 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
         device = torch.device(experiment.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
-        model, loaded_tok = load_model(experiment.model, dtype=getattr(torch, experiment.dtype), device=device)
+        model, loaded_tok = load_model(
+            experiment.model, dtype=getattr(torch, experiment.dtype), device=device, prepack=experiment.prepack
+        )
         tokenizer = tokenizer if tokenizer is not None else loaded_tok
     if tokenizer is None:
         raise ValueError(f"model {experiment.model!r} comes without a tokenizer; the bench tasks need one")

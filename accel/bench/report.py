@@ -111,7 +111,8 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         f"- **Command:** `{meta['command']}`",
         f"- **Machine:** {_machine_line(machine)}",
         f"- **Model:** {machine['model']} ({machine['model_name'] or machine['model_class']}, "
-        f"{machine['model_class']}, {params:.1f}M parameters), {machine['dtype']} on {machine['device']}",
+        f"{machine['model_class']}, {params:.1f}M parameters), {machine['dtype']} on {machine['device']}"
+        + ("; linear weights prepacked for oneDNN (`accel.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
         f"- **Generation:** greedy, max_new_tokens {gen['max_new_tokens']}, max_draft_tokens "
         f"{gen['max_draft_tokens']}; {exp['repeats']} repeat(s); seed {exp['seed']}; warm-up "
         f"{exp['warmup_tokens']} tokens per configuration; configurations interleaved (rotated order per item)",

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import adapter
+from ..cpu import is_prepacked
 from ..strategy import Strategy, build_strategies
 from .schema import Experiment, HFGenerate, HFPromptLookup, KVPressSnapKV
 from .tasks import TaskItem, score
@@ -453,5 +454,6 @@ def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:
         "model": experiment.model, "model_class": type(model).__name__,
         "model_name": DEFAULT_MODEL_NAME if experiment.model == "default" else (getattr(model.config, "name_or_path", "") or ""),
         "parameters": sum(p.numel() for p in model.parameters()), "dtype": experiment.dtype,
+        "prepacked": is_prepacked(model),
     }
     return info

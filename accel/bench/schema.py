@@ -174,6 +174,9 @@ class Experiment(_Model):
     id already in the local Hugging Face cache (nothing is downloaded)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Model weights and KV cache dtype."""
+    prepack: bool = True
+    """Pack float32 linear weights for oneDNN once (``accel.cpu.prepack``; CPU only). The
+    baselines run on the same model, so they get the faster kernels too."""
     device: str = "cpu"
     """torch device, e.g. ``cpu`` or ``cuda:0``."""
     threads: int | None = Field(None, gt=0)

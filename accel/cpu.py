@@ -1,0 +1,130 @@
+"""Pre-packed linear layers for x86 CPUs: the weights laid out once for oneDNN's matmul.
+
+``torch.nn.functional.linear`` on a CPU re-packs the weight matrix into the GEMM kernel's
+blocked layout on every call, and for one or a few input rows that copy is most of the
+work. A decode step of the default model then reads its 540 MB of weights at about
+11 GB/s; with the weights packed once it reads them at about 21 GB/s, and a verify pass of
+8-16 rows costs little more than one row (``benchmarks/verify_cost.py``):
+
+================  ===========  ==========
+rows (2 threads)  F.linear     packed
+================  ===========  ==========
+1                 10.6 ms      5.1 ms      (the default model's output head, 49152 x 576)
+8                 16.5 ms      7.2 ms
+================  ===========  ==========
+
+:func:`prepack` swaps every float32 ``nn.Linear`` of a model for a :class:`PackedLinear`
+in place. The module keeps its ``weight`` parameter (state dicts, tied embeddings and
+training are unchanged) and holds the packed copy besides it, so it costs one more copy
+of the linear weights in memory. Call it once after loading; ``model.generate`` and
+``accel.generate`` then run the same kernels, so plain accel decoding still equals
+``model.generate`` token for token. Results differ from the unpacked model only by float32
+rounding (the kernels sum in another order).
+
+It is a no-op where oneDNN is missing or the layer is not a float32 CPU layer, and the
+module falls back to ``F.linear`` whenever its input or weight has moved (another device
+or dtype) or gradients are needed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["PackedLinear", "is_prepacked", "prepack", "prepack_available"]
+
+_ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; 1-16 rows all run fast in it
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
+
+
+_available: bool | None = None
+
+
+def prepack_available() -> bool:
+    """Whether this torch build can pack linear weights for oneDNN (checked once, on a
+    4 x 8 example, against ``F.linear``)."""
+    global _available
+    if _available is None:
+        try:
+            w = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32
+            x = torch.ones(3, 8)
+            _available = bool(
+                torch.backends.mkldnn.is_available()
+                and torch.allclose(_packed_linear(x, _pack(w), None), nn.functional.linear(x, w), atol=1e-5)
+            )
+        except (AttributeError, RuntimeError):
+            _available = False
+    return _available
+
+
+class PackedLinear(nn.Module):
+    """``nn.Linear`` whose weight oneDNN packed once. x: [..., in] -> [..., out].
+
+    ``weight`` and ``bias`` are the original parameters; the packed copy is a plain
+    attribute (not a buffer), so ``.to()``, ``state_dict`` and ``parameters()`` see only the
+    originals.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self._packed_from = self._weight_key()
+        self._packed = _pack(self.weight)
+
+    def _weight_key(self) -> tuple:
+        w = self.weight
+        return (w.data_ptr(), w._version, w.dtype, w.device)
+
+    def _usable(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (
+            x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and self._weight_key() == self._packed_from
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self._usable(x):
+            return nn.functional.linear(x, self.weight, self.bias)
+        out = _packed_linear(x.reshape(-1, self.in_features), self._packed, self.bias)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+
+
+def prepack(model: nn.Module) -> nn.Module:
+    """Swap each float32 CPU ``nn.Linear`` of ``model`` (output head included) for a
+    :class:`PackedLinear`, in place, and return ``model``.
+
+    A no-op where :func:`prepack_available` is false; layers on another device or dtype are
+    left alone. Calling it again does nothing more.
+    """
+    if not prepack_available():
+        return model
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+    ]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, PackedLinear(module))
+    return model
+
+
+def is_prepacked(model: nn.Module) -> bool:
+    """Whether :func:`prepack` swapped any layer of ``model``."""
+    return any(isinstance(m, PackedLinear) for m in model.modules())

@@ -1,0 +1,70 @@
+"""accel.cpu.prepack: oneDNN-packed linear layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import accel
+from accel.cpu import PackedLinear, is_prepacked, prepack, prepack_available
+from helpers import make_tiny_model
+from speculative import PromptLookup
+
+pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN linear packing")
+
+
+def _prompt(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(2, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_prepack_swaps_every_linear_and_keeps_parameters_and_ties():
+    model = make_tiny_model(seed=1, tie_word_embeddings=True)
+    keys = list(model.state_dict())
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert prepack(model) is model
+    assert is_prepacked(model)
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == linears
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert list(model.state_dict()) == keys
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives
+    prepack(model)  # a second call finds nothing left to swap
+    assert sum(isinstance(m, PackedLinear) for m in model.modules()) == linears
+
+
+def test_prepacked_logits_match_the_unpacked_model():
+    plain = make_tiny_model(seed=2)
+    packed = prepack(make_tiny_model(seed=2))
+    ids = _prompt(0, 20)
+    with torch.inference_mode():
+        a = plain(ids).logits
+        b = packed(ids).logits
+    assert a.shape == b.shape
+    assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_plain_and_speculative_decoding_on_a_prepacked_model_equal_generate():
+    model = prepack(make_tiny_model(seed=3))
+    ids = _prompt(1, 24)
+    with torch.inference_mode():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
+                             pad_token_id=0, eos_token_id=None)
+    for strategies in ([], [PromptLookup()]):
+        out = accel.generate(model, ids, strategies=strategies, max_new_tokens=30, eos_token_id=[])
+        assert torch.equal(out.sequences, ref), strategies
+
+
+def test_packed_layer_falls_back_for_gradients_and_other_dtypes():
+    layer = PackedLinear(nn.Linear(8, 4))
+    x = torch.randn(3, 8, requires_grad=True)
+    layer.weight.requires_grad_(True)
+    layer(x).sum().backward()  # the packed kernel has no backward: F.linear takes over
+    assert x.grad is not None and layer.weight.grad is not None
+    with torch.no_grad():
+        layer.weight.mul_(2)  # an in-place update makes the packed copy stale
+        ref = nn.functional.linear(x, layer.weight, layer.bias)
+        assert torch.equal(layer(x), ref)
+    layer.to(torch.bfloat16)
+    with torch.no_grad():
+        out = layer(x.detach().to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 4)
