@@ -73,13 +73,14 @@ FORMAT_VERSION = 1
 #: The heads trained for the default model (SmolLM2-135M-Instruct), shipped in the package.
 DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "heads" / "default"
 
-#: Draft nodes per verify step unless configured (the engine's own budget caps it too). On a
-#: 2-core CPU any tree costs ~1.5x a single-token step (query rows run matrix-matrix kernels
-#: instead of matrix-vector ones, and attention takes a mask), the extra is small up to ~8
-#: drafts and grows ~6% of a step per node beyond (docs/BENCHMARKS.md, "What a draft tree
-#: costs"; benchmarks/medusa_check.py verify-cost). The shipped heads accept 0.66 drafts per
-#: step with 8 nodes on held-out data (0.54 with 4, 0.77 with 16, 0.95 with 64).
-DEFAULT_MAX_NODES = 8
+#: Draft nodes per verify step unless configured (the engine's own budget caps it too). On the
+#: 2-core CPU with prepacked weights (``accel.prepack``), a verify pass over ~200 cached tokens
+#: of 3-6 rows (2-5 drafts) costs no more than a single-token step, 7-9 rows 1.1-1.2x and
+#: 16 rows 1.44x (``python benchmarks/verify_cost.py --contexts 200``). Measured on 20
+#: held-out chat prompts (``benchmarks/medusa_check.py chat --max-nodes N``), decode speed-up
+#: against plain decoding: 3 nodes 1.34x, 4 1.39x, 5 1.44x, 6 1.33x, 8 1.27x, 12 1.19x,
+#: 16 1.12x, while accepted tokens per step only grow from 1.38 to 1.62.
+DEFAULT_MAX_NODES = 5
 
 
 # --------------------------------------------------------------------------- the heads

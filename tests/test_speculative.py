@@ -173,7 +173,7 @@ def test_find_continuations_prefers_long_and_recent_matches():
 
 
 def test_prompt_lookup_gates_weak_matches_after_poor_acceptance():
-    pl = PromptLookup(max_ngram=2, min_gain=0.5)
+    pl = PromptLookup(max_ngram=2, min_gain=0.5, adaptive=False)  # length fixed: only the gate acts
     state = pl.start(None, torch.tensor([1]))
     weak = DraftContext(tokens=torch.tensor([3, 4, 5, 9, 4]), hidden=None, max_tokens=8)  # only a 1-gram match
     strong = DraftContext(tokens=torch.tensor([3, 4, 5, 9, 3, 4]), hidden=None, max_tokens=8)  # a 2-gram match
@@ -182,3 +182,20 @@ def test_prompt_lookup_gates_weak_matches_after_poor_acceptance():
         pl.feedback(state, 4, 0)
     assert pl.propose(state, weak) is None
     assert pl.propose(state, strong).tokens.tolist()[:2] == [5, 9]
+
+
+def test_prompt_lookup_draft_length_follows_acceptance():
+    pl = PromptLookup(num_tokens=12)
+    state = pl.start(None, torch.tensor([1]))
+    assert state.length == 12
+    pl.feedback(state, 12, 5)  # partly accepted: a copy that ran out; keep the length
+    assert state.length == 12
+    pl.feedback(state, 12, 0)
+    pl.feedback(state, 6, 0)
+    assert state.length == 3  # nothing accepted twice: halved twice
+    pl.feedback(state, 3, 3)  # fully accepted: back to the longest draft
+    assert state.length == 12
+    fixed = PromptLookup(num_tokens=12, adaptive=False)
+    state = fixed.start(None, torch.tensor([1]))
+    fixed.feedback(state, 12, 0)
+    assert state.length == 12
