@@ -26,10 +26,10 @@ from .strategy import DraftContext, Drafter, PromptCompressor, Strategy
 __all__ = ["Stats", "Plan", "plan_strategies", "prefill", "propose", "verify", "accept", "commit", "decode"]
 
 # Largest draft tree verified in one pass, by cache size, unless the caller sets one. Measured
-# on the default model, 2-core CPU, float32 (benchmarks/verify_cost.py): relative to a plain
-# step, verifying 1-7 drafts costs ~1.5x at 512 cached entries and ~1.6x at 4K; 15 drafts
-# ~1.7x at 512 but ~2.3x at 4K; 31 drafts ~2.4x and ~3.4x. A compressed cache therefore
-# affords wider trees.
+# on the default model, 2-core CPU, float32, weights prepacked (benchmarks/verify_cost.py):
+# relative to a plain step, verifying 1-7 drafts costs ~1.2x at 512 cached entries and
+# 1.2-1.45x at 4K; 15 drafts ~1.5x at 512 but ~1.8x at 4K and ~2.2x at 7.7K (attention over
+# the cache for many query rows is what grows). A compressed cache therefore affords wider trees.
 DEFAULT_MAX_DRAFT: int | None = None
 
 

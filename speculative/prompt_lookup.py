@@ -9,9 +9,11 @@ Draft length adapts to the acceptance history, in the spirit of transformers' he
 schedule and DISCO: a draft of which nothing was accepted halves the next one, a fully
 accepted one restores ``num_tokens``, a partly accepted one leaves the length as it is.
 Partial acceptance is the normal case when copying (the copy runs until the text departs
-from its source), so it does not shorten the draft: the earlier rule (shorten by 1 on any
-rejection, lengthen by 2 on full acceptance) lost 6% of decode speed on the copy-heavy
-``long_doc`` documents once verify passes got cheap.
+from its source), so it does not shorten the draft. Adaptation is off by default
+(``adaptive=False``): with prepacked weights a verify pass is cheap enough on the 2-core CPU
+that a fixed 15-token draft was faster on the copy-heavy ``long_doc`` documents (74.0 vs
+71.3 tok/s; transformers' prompt lookup 60.0) and tied on chat prompts (35.4 vs 35.3 tok/s),
+measured in one ``accel bench`` run with both cores. Turn it on where verifying is dear.
 
 On the 2-core CPU with prepacked weights (``accel.prepack``), verifying 1-7 drafts costs
 about 1.2x a plain decode step at 512 cached tokens and 15 drafts 1.5x
@@ -39,13 +41,16 @@ __all__ = ["PromptLookup", "find_continuations"]
 
 
 def find_continuations(
-    tokens: torch.Tensor, max_ngram: int, min_ngram: int, length: int, branches: int
+    tokens: torch.Tensor, max_ngram: int, min_ngram: int, length: int, branches: int, reach: int = 64
 ) -> list[tuple[int, torch.Tensor]]:
     """Continuations of the sequence's final n-gram found earlier in ``tokens`` [L].
 
-    Longer n-grams are tried first; within one n, the most recent match first. Returns at
-    most ``branches`` pairs (n, continuation): the matched n-gram length and a distinct
-    LongTensor of 1..``length`` tokens.
+    Longer n-grams are tried first. Within one n, the match whose agreement with the end of
+    the sequence reaches furthest back (up to ``reach`` tokens) comes first, then the most
+    recent: when the model is copying a passage, the passage's source agrees with the text
+    copied so far for many tokens, while the other places where the same n-gram occurs agree
+    for n tokens only. Returns at most ``branches`` pairs (n, continuation): the matched
+    n-gram length and a distinct LongTensor of 1..``length`` tokens.
     """
     found: list[tuple[int, torch.Tensor]] = []
     seen: set[tuple[int, ...]] = set()
@@ -54,7 +59,9 @@ def find_continuations(
         tail = tokens[total - n :]
         windows = tokens[: total - 1].unfold(0, n, 1)  # [L-n, n], excludes the tail itself
         starts = torch.nonzero((windows == tail).all(dim=1)).flatten() + n
-        for start in starts.flip(0).tolist():
+        if starts.numel() == 0:
+            continue
+        for start in _rank_by_agreement(tokens, starts, n, reach).tolist():
             cont = tokens[start : start + length]
             key = tuple(cont.tolist())
             if not key or key in seen:
@@ -64,6 +71,25 @@ def find_continuations(
             if len(found) >= branches:
                 return found
     return found
+
+
+def _rank_by_agreement(tokens: torch.Tensor, starts: torch.Tensor, n: int, reach: int) -> torch.Tensor:
+    """``starts`` (positions just after an n-gram equal to the sequence's last n tokens),
+    ordered by how many tokens before them agree with the end of the sequence (at most
+    ``reach``), most first; ties most recent first."""
+    total = tokens.numel()
+    agree = torch.full_like(starts, n)
+    alive = torch.ones_like(starts, dtype=torch.bool)
+    for k in range(n, min(reach, total)):
+        pos = starts - 1 - k
+        alive &= pos >= 0
+        if not alive.any():
+            break
+        same = tokens[pos.clamp(min=0)] == tokens[total - 1 - k]
+        alive &= same
+        agree += alive.long()
+    order = sorted(range(starts.numel()), key=lambda i: (-int(agree[i]), -int(starts[i])))
+    return starts[order]
 
 
 @dataclass
@@ -86,7 +112,7 @@ class PromptLookup(Drafter):
     min_ngram: int = Field(1, ge=1, description="shortest n-gram tried when longer ones do not match")
     num_tokens: int = Field(15, ge=1, description="longest draft branch (tokens)")
     branches: int = Field(4, ge=1, description="distinct continuations verified together as tree branches")
-    adaptive: bool = Field(True, description="adapt the draft length to the acceptance history")
+    adaptive: bool = Field(False, description="adapt the draft length to the acceptance history")
     min_gain: float = Field(
         0.5, ge=0, description="weak (shorter than max_ngram) matches are drafted only while recent drafts "
         "gained at least this many accepted tokens each; 0 always drafts"

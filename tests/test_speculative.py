@@ -172,6 +172,20 @@ def test_find_continuations_prefers_long_and_recent_matches():
     assert all(n == 1 for n, _ in found[2:])
 
 
+def test_find_continuations_prefers_the_match_that_agrees_furthest_back():
+    from speculative.prompt_lookup import find_continuations
+
+    # the source passage 3 4 5 6 7 | 8 9 is being copied: the sequence ends with "3 4 5 6 7";
+    # "6 7" also occurs later, after "2 2", followed by 1 -- more recent, but it agrees for
+    # only 2 tokens where the source agrees for 5
+    seq = [3, 4, 5, 6, 7, 8, 9, 2, 2, 6, 7, 1, 0, 3, 4, 5, 6, 7]
+    found = find_continuations(torch.tensor(seq), max_ngram=2, min_ngram=2, length=2, branches=2)
+    assert [c.tolist() for _, c in found] == [[8, 9], [1, 0]]
+    # with nothing but n tokens of agreement anywhere, the most recent match comes first
+    found = find_continuations(torch.tensor([6, 7, 1, 6, 7, 2, 5, 6, 7]), max_ngram=2, min_ngram=2, length=1, branches=2)
+    assert [c.tolist() for _, c in found] == [[2], [1]]
+
+
 def test_prompt_lookup_gates_weak_matches_after_poor_acceptance():
     pl = PromptLookup(max_ngram=2, min_gain=0.5, adaptive=False)  # length fixed: only the gate acts
     state = pl.start(None, torch.tensor([1]))
@@ -185,7 +199,7 @@ def test_prompt_lookup_gates_weak_matches_after_poor_acceptance():
 
 
 def test_prompt_lookup_draft_length_follows_acceptance():
-    pl = PromptLookup(num_tokens=12)
+    pl = PromptLookup(num_tokens=12, adaptive=True)
     state = pl.start(None, torch.tensor([1]))
     assert state.length == 12
     pl.feedback(state, 12, 5)  # partly accepted: a copy that ran out; keep the length
@@ -195,7 +209,7 @@ def test_prompt_lookup_draft_length_follows_acceptance():
     assert state.length == 3  # nothing accepted twice: halved twice
     pl.feedback(state, 3, 3)  # fully accepted: back to the longest draft
     assert state.length == 12
-    fixed = PromptLookup(num_tokens=12, adaptive=False)
+    fixed = PromptLookup(num_tokens=12)  # the default keeps the length
     state = fixed.start(None, torch.tensor([1]))
     fixed.feedback(state, 12, 0)
     assert state.length == 12
