@@ -2,27 +2,28 @@
 
 The last ``n`` tokens (``max_ngram`` down to ``min_ngram``) are searched for in the prompt
 and the text generated so far; each earlier occurrence proposes the tokens that followed it.
-Several distinct continuations (most recent match first) become branches of one draft tree,
-with shared prefixes merged, so the verifier checks them all in one pass.
-
-Draft length adapts to the acceptance history, in the spirit of transformers' heuristic
-schedule and DISCO: a draft of which nothing was accepted halves the next one, a fully
-accepted one restores ``num_tokens``, a partly accepted one leaves the length as it is.
-Partial acceptance is the normal case when copying (the copy runs until the text departs
-from its source), so it does not shorten the draft. Adaptation is off by default
-(``adaptive=False``): with prepacked weights a verify pass is cheap enough on the 2-core CPU
-that a fixed 15-token draft was faster on the copy-heavy ``long_doc`` documents (74.0 vs
-71.3 tok/s; transformers' prompt lookup 60.0) and tied on chat prompts (35.4 vs 35.3 tok/s),
-measured in one ``accel bench`` run with both cores. Turn it on where verifying is dear.
+Several distinct continuations become branches of one draft tree, with shared prefixes
+merged, so the verifier checks them all in one pass. The best branch -- the match whose
+agreement with the text reaches furthest back, then the most recent -- gets the full
+length; the other branches share what is left of the node budget.
 
 On the 2-core CPU with prepacked weights (``accel.prepack``), verifying 1-7 drafts costs
 about 1.2x a plain decode step at 512 cached tokens and 15 drafts 1.5x
 (``benchmarks/verify_cost.py``), so ``num_tokens`` defaults to 15, the engine's tree budget
-below 2K cached tokens (7 above). A draft pays only if it gains more than the extra cost. Weak evidence
-(a match of fewer than ``max_ngram`` tokens) is therefore drafted only while the recent
-acceptance (an exponential average of accepted tokens per draft) stays above ``min_gain``;
-with a full ``max_ngram`` match it always drafts. The best branch gets the full length;
-the other branches share what is left of the node budget.
+below 2K cached tokens (7 above). A draft pays only if it gains more than the extra cost:
+weak evidence (a match of fewer than ``max_ngram`` tokens) is therefore drafted only while
+the recent acceptance (an exponential average of accepted tokens per draft) stays above
+``min_gain``; with a full ``max_ngram`` match it always drafts.
+
+With ``adaptive=True`` the draft length follows the acceptance history, in the spirit of
+transformers' heuristic schedule and DISCO: a draft of which nothing was accepted halves
+the next one, a fully accepted one restores ``num_tokens``, a partly accepted one leaves
+the length as it is (partial acceptance is the normal case when copying: the copy runs
+until the text departs from its source). It is off by default: with prepacked weights a
+verify pass is cheap enough here that a fixed 15-token draft was faster on the copy-heavy
+``long_doc`` documents (74.0 vs 71.3 tok/s; transformers' prompt lookup 60.0) and tied on
+chat prompts (35.4 vs 35.3 tok/s), measured in one ``accel bench`` run on both cores. Turn
+it on where verifying is dear.
 """
 
 from __future__ import annotations
