@@ -305,7 +305,7 @@ def load_default(
     ``<|im_end|>``; eos = pad = ``<|im_end|>``).
 
     ``prepack`` (float32 on a CPU): lay the linear weights out once for oneDNN, see
-    :func:`accel.cpu.prepack` (1.4x faster decoding; ``model.generate`` runs the same kernels).
+    :func:`accel.cpu.prepack` (~1.4x faster decoding on a CPU; ``model.generate`` runs the same kernels).
     """
     gguf = default_gguf_path()
     dest = default_checkpoint_dir()

@@ -18,7 +18,7 @@ import torch
 from accel import adapter
 from accel.cache import SharedCache
 from accel.engine import prefill, verify
-from accel.cpu import is_prepacked, prepack
+from accel.cpu import is_prepacked
 from accel.models import load_model
 from speculative import DraftTree
 
@@ -32,9 +32,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-prepack", action="store_true", help="keep transformers' nn.Linear (no accel.cpu.prepack)")
     args = ap.parse_args()
-    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype))
-    if not args.no_prepack:
-        prepack(model)
+    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype), prepack=not args.no_prepack)
     geo = adapter.geometry(model)
     print(f"model={args.model} dtype={args.dtype} prepacked={is_prepacked(model)} threads={torch.get_num_threads()}")
     print("context  drafts  ms/verify  x single-token")

@@ -22,8 +22,9 @@ the length as it is (partial acceptance is the normal case when copying: the cop
 until the text departs from its source). It is off by default: with prepacked weights a
 verify pass is cheap enough here that a fixed 15-token draft was faster on the copy-heavy
 ``long_doc`` documents (74.0 vs 71.3 tok/s; transformers' prompt lookup 60.0) and tied on
-chat prompts (35.4 vs 35.3 tok/s), measured in one ``accel bench`` run on both cores. Turn
-it on where verifying is dear.
+chat prompts (35.4 vs 35.3 tok/s), measured in one ``accel bench`` run on both cores (the
+command is in docs/BENCHMARKS.md, "Why prompt lookup's draft length is fixed by default").
+Turn it on where verifying is dear.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ def _rank_by_agreement(tokens: torch.Tensor, starts: torch.Tensor, n: int, reach
         same = tokens[pos.clamp(min=0)] == tokens[total - 1 - k]
         alive &= same
         agree += alive.long()
-    order = sorted(range(starts.numel()), key=lambda i: (-int(agree[i]), -int(starts[i])))
-    return starts[order]
+    return starts[torch.argsort(agree * (total + 1) + starts, descending=True)]
 
 
 @dataclass
