@@ -75,9 +75,20 @@ class PackedLinear(nn.Module):
         self._packed_from = self._weight_key()
         self._packed = _pack(self.weight)
 
+    def __getstate__(self) -> dict:
+        # the packed copy is an opaque oneDNN tensor that cannot be copied or pickled: drop it
+        # and pack again on the other side (copy.deepcopy, pickle, torch.save of the module)
+        return {k: v for k, v in self.__dict__.items() if k not in ("_packed", "_packed_from")}
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._packed_from = self._weight_key()
+        self._packed = _pack(self.weight)
+
     def _weight_key(self) -> tuple:
         w = self.weight
-        return (w.data_ptr(), w._version, w.dtype, w.device)
+        version = 0 if w.is_inference() else w._version  # inference tensors keep no version counter
+        return (w.data_ptr(), version, w.dtype, w.device)
 
     def _usable(self, x: torch.Tensor) -> bool:
         w = self.weight

@@ -68,3 +68,26 @@ def test_packed_layer_falls_back_for_gradients_and_other_dtypes():
     with torch.no_grad():
         out = layer(x.detach().to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and out.shape == (3, 4)
+
+
+def test_a_prepacked_model_can_be_deep_copied_and_pickled():
+    import copy
+    import io
+
+    model = prepack(make_tiny_model(seed=4, tie_word_embeddings=True))
+    ids = _prompt(2, 16)
+    clone = copy.deepcopy(model)  # accel train-heads copies the model to make its data in bf16
+    assert is_prepacked(clone)
+    assert clone.lm_head.weight is clone.model.embed_tokens.weight
+    assert clone.lm_head.weight.data_ptr() != model.lm_head.weight.data_ptr()
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    half = copy.deepcopy(model).to(torch.bfloat16)  # moved weights fall back to F.linear
+    with torch.inference_mode():
+        ref = model(ids).logits
+        assert torch.equal(clone(ids).logits, ref)
+        assert torch.equal(loaded(ids).logits, ref)
+        half = half(ids).logits
+    assert half.dtype == torch.bfloat16 and half.shape == ref.shape
