@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--heads", type=int, default=None, help="number of heads, i.e. draft depth (default 4)")
     t.add_argument("--layers", type=int, default=None, help="residual blocks per head (default 1)")
     t.add_argument("--own-lm-head", action="store_true", help="give every head its own output layer (large files)")
+    t.add_argument("--independent", action="store_true",
+                   help="the Medusa paper's independent heads, which see only the hidden state (default: sequential, "
+                        "Hydra-style heads that also read the draft tokens above the node they draft)")
     t.add_argument("--prompts", default=None, help="prompt file, one a line (default: speculative/data/train_prompts.txt)")
     t.add_argument("--max-prompts", type=int, default=None)
     t.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per prompt (default 192)")

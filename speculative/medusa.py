@@ -11,6 +11,15 @@ The hidden state comes from the very forward pass that verified the previous tre
 engine hands it over as ``DraftContext.hidden``), so the heads need no cache of their own:
 the verifier and the drafts share the one, possibly SnapKV-compressed, cache.
 
+Heads come in two kinds. **Independent** heads (the paper's) see only ``h_t``: head 2 must
+guess the token two steps ahead without knowing which token head 1 proposed below it, so
+it averages over continuations. **Sequential** heads (``sequential=True``, the Hydra
+variant of Ankner et al. 2024, "Hydra: Sequentially-Dependent Draft Heads for Medusa
+Decoding") also read the input embeddings of the tokens on the path they extend: head k's
+first block is ``x + SiLU(W [h_t; e(root); e(d_1); ...; e(d_{k-1})] + b)``. A tree is then
+drafted level by level, each node from its own path, still without any cache: the path is
+at most K tokens. ``accel train-heads`` trains sequential heads unless ``--independent``.
+
 Trained heads may carry a vocabulary subset (the tokens of their training data): the heads
 then score only those rows of the output layer, which makes drafting and training several
 times cheaper on a CPU; other tokens are never drafted (the verifier still emits them).
@@ -49,12 +58,24 @@ from torch import nn
 
 from accel.strategy import DraftContext, DraftProposal, Drafter, register
 
-from .medusa_trees import TREES, Path as TreePath, TreeArrays, build_tree, check_paths, rank_accuracies, tree_arrays, truncate_paths
+from .medusa_trees import (
+    TREES,
+    Path as TreePath,
+    TreeArrays,
+    TreeLevel,
+    build_tree,
+    check_paths,
+    rank_accuracies,
+    tree_arrays,
+    tree_levels,
+    truncate_paths,
+)
 
 __all__ = [
     "Medusa",
     "MedusaHeads",
     "PackedHeads",
+    "PackedPathHeads",
     "DEFAULT_HEADS_DIR",
     "DEFAULT_MAX_NODES",
     "WEIGHTS_NAME",
@@ -101,22 +122,52 @@ class ResBlock(nn.Module):
         return x + F.silu(self.linear(inner))
 
 
-class MedusaHead(nn.Module):
-    """One head: residual blocks, then (optionally) its own vocabulary projection."""
+class PathBlock(nn.Module):
+    """The first block of a sequential (Hydra-style) head that extends paths of n tokens:
+    ``x + SiLU(W [x; e_1; ...; e_n] + b)``, with e_i the input embeddings of the tokens on
+    the path (the root first). W [H, (n + 1) H] and b start at zero."""
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int, own_lm_head: bool):
+    def __init__(self, hidden_size: int, path_len: int):
         super().__init__()
-        self.blocks = nn.ModuleList(ResBlock(hidden_size) for _ in range(num_layers))
+        self.linear = nn.Linear((path_len + 1) * hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+        self.dropout = 0.0
+
+    def forward(self, x: torch.Tensor, path_emb: torch.Tensor) -> torch.Tensor:
+        """x: [..., H]; path_emb: [..., n, H]. Returns [..., H]."""
+        inner = torch.cat([x, path_emb.flatten(-2)], dim=-1)
+        if self.training and self.dropout:
+            inner = F.dropout(inner, self.dropout, training=True)
+        return x + F.silu(self.linear(inner))
+
+
+class MedusaHead(nn.Module):
+    """One head: residual blocks (the first a :class:`PathBlock` when the head reads a path
+    of ``path_len`` tokens), then (optionally) its own vocabulary projection."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_layers: int, own_lm_head: bool, path_len: int = 0):
+        super().__init__()
+        first = [PathBlock(hidden_size, path_len)] if path_len else []
+        self.blocks = nn.ModuleList(first + [ResBlock(hidden_size) for _ in range(num_layers - len(first))])
+        self.path_len = path_len
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False) if own_lm_head else None
 
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
+    def hidden(self, x: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x, path_emb) if i == 0 and self.path_len else block(x)
         return x
 
 
 class MedusaHeads(nn.Module):
     """K Medusa heads for a model with hidden size H and vocabulary V.
+
+    Independent heads (the paper's) see only the hidden state. Sequential heads
+    (``sequential=True``, the Hydra variant of Ankner et al. 2024) also read the input
+    embeddings of the tokens on the path they extend: head k sees the root and the drafts of
+    heads 1..k-1 above it, so a tree is drafted level by level, each node from its own path.
+    That lets head k's guess follow what the earlier heads guessed instead of averaging over
+    every possible continuation, the main weakness of independent heads.
 
     A fresh set (zero-initialised blocks, own output layers copied from the base model with
     :meth:`init_lm_heads`) predicts, at every head, what the base model predicts for the next
@@ -140,20 +191,26 @@ class MedusaHeads(nn.Module):
         own_lm_head: bool = False,
         info: dict[str, Any] | None = None,
         vocab_subset: torch.Tensor | None = None,
+        sequential: bool = False,
     ):
         super().__init__()
-        if num_heads < 1 or num_layers < 0 or hidden_size < 1 or vocab_size < 1:
+        if num_heads < 1 or num_layers < (1 if sequential else 0) or hidden_size < 1 or vocab_size < 1:
             raise ValueError(
-                f"MedusaHeads needs num_heads >= 1, num_layers >= 0, positive sizes; got num_heads={num_heads}, "
-                f"num_layers={num_layers}, hidden_size={hidden_size}, vocab_size={vocab_size}"
+                f"MedusaHeads needs num_heads >= 1, num_layers >= {1 if sequential else 0}"
+                f"{' (sequential heads read the path in their first block)' if sequential else ''}, positive sizes; "
+                f"got num_heads={num_heads}, num_layers={num_layers}, hidden_size={hidden_size}, vocab_size={vocab_size}"
             )
+        self.sequential = bool(sequential)
         self.num_heads = num_heads
         self.num_layers = num_layers
         self.hidden_size = hidden_size
         self.vocab_size = vocab_size
         self.own_lm_head = own_lm_head
         self.info: dict[str, Any] = dict(info or {})
-        self.heads = nn.ModuleList(MedusaHead(hidden_size, vocab_size, num_layers, own_lm_head) for _ in range(num_heads))
+        self.heads = nn.ModuleList(
+            MedusaHead(hidden_size, vocab_size, num_layers, own_lm_head, path_len=k + 1 if sequential else 0)
+            for k in range(num_heads)
+        )
         self.vocab_subset: torch.Tensor | None
         self.register_buffer("vocab_subset", None)
         if vocab_subset is not None:
@@ -171,17 +228,25 @@ class MedusaHeads(nn.Module):
 
     # ------------------------------------------------------------------ compute
 
-    def hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """Per-head hidden states before the vocabulary projection: [..., H] -> [..., K, H]."""
-        return torch.stack([head.hidden(h) for head in self.heads], dim=-2)
+    def hidden(self, h: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-head hidden states before the vocabulary projection: [..., H] -> [..., K, H].
 
-    def forward(self, h: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        path_emb: [..., K, H], sequential heads only (required there): the input embeddings
+            of the root and of the K - 1 tokens after it; head k reads the first k.
+        """
+        if not self.sequential:
+            return torch.stack([head.hidden(h) for head in self.heads], dim=-2)
+        if path_emb is None or path_emb.shape[-2] < self.num_heads:
+            raise ValueError(f"sequential heads need path_emb [..., {self.num_heads}, H], the embeddings of the paths they extend")
+        return torch.stack([head.hidden(h, path_emb[..., : k + 1, :]) for k, head in enumerate(self.heads)], dim=-2)
+
+    def forward(self, h: torch.Tensor, lm_head: nn.Module | None = None, path_emb: torch.Tensor | None = None) -> torch.Tensor:
         """Head logits [..., K, V] from hidden states [..., H] (-inf outside ``vocab_subset``).
 
         lm_head: the base model's output layer (``model.get_output_embeddings()``); required
-        unless the heads have their own.
+        unless the heads have their own. path_emb: as in :meth:`hidden`.
         """
-        x = self.hidden(h)
+        x = self.hidden(h, path_emb)
         if self.own_lm_head:
             logits = torch.stack([head.lm_head(x[..., k, :]) for k, head in enumerate(self.heads)], dim=-2)
         elif lm_head is None:
@@ -195,7 +260,7 @@ class MedusaHeads(nn.Module):
         return logits
 
     def set_dropout(self, p: float) -> None:
-        """Dropout on every residual block's input to its linear layer while training."""
+        """Dropout on every block's input to its linear layer while training."""
         for head in self.heads:
             for block in head.blocks:
                 block.dropout = float(p)
@@ -218,6 +283,7 @@ class MedusaHeads(nn.Module):
             "hidden_size": self.hidden_size,
             "vocab_size": self.vocab_size,
             "own_lm_head": self.own_lm_head,
+            "sequential": self.sequential,
             "vocab_subset_size": int(self.vocab_subset.numel()) if self.vocab_subset is not None else None,
             **self.info,
         }
@@ -228,14 +294,17 @@ class MedusaHeads(nn.Module):
         acc = self.info.get("topk_accuracy")
         return [list(map(float, row)) for row in acc] if acc else None
 
-    def pack(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None, head_dtype: torch.dtype | None = None) -> "PackedHeads":
-        """The weights stacked for fast single-vector inference (see :class:`PackedHeads`)."""
+    def pack(self, dtype: torch.dtype | None = None, device: torch.device | str | None = None,
+             head_dtype: torch.dtype | None = None) -> "PackedHeads | PackedPathHeads":
+        """The weights stacked for fast drafting (see :class:`PackedHeads` and
+        :class:`PackedPathHeads`)."""
         dtype = dtype or torch.float32
         L, K, H = self.num_layers, self.num_heads, self.hidden_size
+        first = 1 if self.sequential else 0
         with torch.no_grad():
-            if L:
-                weight = torch.stack([torch.stack([h.blocks[l].linear.weight for h in self.heads]) for l in range(L)])
-                bias = torch.stack([torch.stack([h.blocks[l].linear.bias for h in self.heads]) for l in range(L)])
+            if L > first:
+                weight = torch.stack([torch.stack([h.blocks[l].linear.weight for h in self.heads]) for l in range(first, L)])
+                bias = torch.stack([torch.stack([h.blocks[l].linear.bias for h in self.heads]) for l in range(first, L)])
             else:
                 weight, bias = torch.empty(0, K, H, H), torch.empty(0, K, H)
             subset = self.vocab_subset.to(device) if self.vocab_subset is not None else None
@@ -243,6 +312,13 @@ class MedusaHeads(nn.Module):
             if self.own_lm_head:
                 out = torch.stack([h.lm_head.weight if subset is None else h.lm_head.weight[self.vocab_subset] for h in self.heads])
                 out = out.to(device=device, dtype=head_dtype or dtype).contiguous()
+            if self.sequential:
+                return PackedPathHeads(
+                    tuple(h.blocks[0].linear.weight.to(device=device, dtype=dtype).contiguous() for h in self.heads),
+                    torch.stack([h.blocks[0].linear.bias for h in self.heads]).to(device=device, dtype=dtype),
+                    weight.to(device=device, dtype=dtype).contiguous(), bias.to(device=device, dtype=dtype).contiguous(),
+                    out, subset,
+                )
             return PackedHeads(weight.to(device=device, dtype=dtype).contiguous(), bias.to(device=device, dtype=dtype).contiguous(),
                                out, subset)
 
@@ -298,6 +374,11 @@ class MedusaHeads(nn.Module):
         own = cfg.get("own_lm_head", False)
         if not isinstance(own, bool):
             raise ValueError(f"{cfg_file}: 'own_lm_head' must be true or false, got {own!r}")
+        sequential = cfg.get("sequential", False)
+        if not isinstance(sequential, bool):
+            raise ValueError(f"{cfg_file}: 'sequential' must be true or false, got {sequential!r}")
+        if sequential and ints["num_layers"] < 1:
+            raise ValueError(f"{cfg_file}: sequential heads need 'num_layers' >= 1, got {ints['num_layers']}")
         acc = cfg.get("topk_accuracy")
         if acc is not None and not (
             isinstance(acc, list) and len(acc) == ints["num_heads"]
@@ -309,8 +390,8 @@ class MedusaHeads(nn.Module):
                                         or not 0 < subset_size <= ints["vocab_size"]):
             raise ValueError(f"{cfg_file}: 'vocab_subset_size' must be null or an integer in 1..vocab_size, got {subset_size!r}")
         info = {k: v for k, v in cfg.items()
-                if k not in {"format", "format_version", "own_lm_head", "vocab_subset_size", *ints}}
-        heads = cls(own_lm_head=own, info=info, **ints)
+                if k not in {"format", "format_version", "own_lm_head", "sequential", "vocab_subset_size", *ints}}
+        heads = cls(own_lm_head=own, info=info, sequential=sequential, **ints)
         if subset_size:
             heads.vocab_subset = torch.zeros(subset_size, dtype=torch.long)  # shape placeholder, loaded below
         weights_file = folder / WEIGHTS_NAME
@@ -401,21 +482,26 @@ def _take(raw: dict[str, torch.Tensor], key: str, where: Path) -> torch.Tensor:
     return raw.pop(key)
 
 
+def _describe(heads: MedusaHeads) -> str:
+    return (f"config: {heads.num_heads} {'sequential' if heads.sequential else 'independent'} heads x "
+            f"{heads.num_layers} layers, own_lm_head={heads.own_lm_head}")
+
+
 def _load_state(heads: MedusaHeads, state: dict[str, torch.Tensor], where: Path) -> None:
     """Check names and shapes against ``heads`` and load (as float32); ValueError otherwise."""
     expected = heads.state_dict()
     missing = [k for k in expected if k not in state]
     if missing:
         raise ValueError(f"{where}: missing tensor '{missing[0]}'" + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
-                         + f" (config: {heads.num_heads} heads x {heads.num_layers} layers, own_lm_head={heads.own_lm_head})")
+                         + f" ({_describe(heads)})")
     extra = [k for k in state if k not in expected]
     if extra:
         raise ValueError(f"{where}: unexpected tensor '{extra[0]}'" + (f" and {len(extra) - 1} more" if len(extra) > 1 else "")
-                         + f" (config: {heads.num_heads} heads x {heads.num_layers} layers, own_lm_head={heads.own_lm_head})")
+                         + f" ({_describe(heads)})")
     for k, v in expected.items():
         if tuple(state[k].shape) != tuple(v.shape):
             raise ValueError(f"{where}: tensor '{k}' has shape {tuple(state[k].shape)}, expected {tuple(v.shape)} "
-                             f"(hidden_size={heads.hidden_size}, vocab_size={heads.vocab_size})")
+                             f"(hidden_size={heads.hidden_size}, vocab_size={heads.vocab_size}, {_describe(heads)})")
         if state[k].is_floating_point() != v.is_floating_point():
             raise ValueError(f"{where}: tensor '{k}' has dtype {state[k].dtype}, expected {'a floating point' if v.is_floating_point() else 'an integer'} type")
     subset = state.pop("vocab_subset", None)
@@ -478,16 +564,59 @@ class PackedHeads:
         if self.lm_heads is not None:
             logits = torch.bmm(self.lm_heads, x.to(self.lm_heads.dtype).unsqueeze(-1)).squeeze(-1)
         else:
-            logits = x.to(lm_weight.dtype) @ lm_weight.T
-            if lm_bias is not None:
-                logits = logits + lm_bias.to(logits.dtype)
+            logits = _shared_logits(x, lm_weight, lm_bias)
         top = torch.topk(logits, k, dim=-1, sorted=True).indices
         return self.subset[top] if self.subset is not None else top
 
 
 @dataclass(frozen=True)
+class PackedPathHeads:
+    """Sequential heads' weights, for drafting a tree one level at a time.
+
+    first: K tensors, head k's path block weight [H, (k + 2) H] (0-based k); first_bias:
+        [K, H]; weight: [L - 1, K, H, H] and bias: [L - 1, K, H], the further residual
+        blocks; lm_heads and subset as in :class:`PackedHeads`.
+    """
+
+    first: tuple[torch.Tensor, ...]
+    first_bias: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor
+    lm_heads: torch.Tensor | None
+    subset: torch.Tensor | None = None
+
+    def top_tokens(self, head: int, h: torch.Tensor, path_emb: torch.Tensor, k: int, lm_weight: torch.Tensor | None,
+                   lm_bias: torch.Tensor | None) -> torch.Tensor:
+        """Head ``head``'s ``k`` most likely tokens after each of P paths, [P, k] (rank 0 first).
+
+        h: [H] the verifier's hidden state; path_emb: [P, head + 1, H] the input embeddings of
+        each path's tokens, the root first. lm_weight, lm_bias as in :meth:`PackedHeads.top_tokens`.
+        """
+        dtype = self.first_bias.dtype
+        rows = path_emb.shape[0]
+        x = h.to(dtype).reshape(1, -1).expand(rows, -1)
+        inner = torch.cat([x, path_emb.to(dtype).reshape(rows, -1)], dim=-1)
+        x = x + F.silu(F.linear(inner, self.first[head], self.first_bias[head]))
+        for layer in range(self.weight.shape[0]):
+            x = x + F.silu(F.linear(x, self.weight[layer, head], self.bias[layer, head]))
+        if self.lm_heads is not None:
+            logits = F.linear(x.to(self.lm_heads.dtype), self.lm_heads[head])
+        else:
+            logits = _shared_logits(x, lm_weight, lm_bias)
+        top = torch.topk(logits, k, dim=-1, sorted=True).indices
+        return self.subset[top] if self.subset is not None else top
+
+
+def _shared_logits(x: torch.Tensor, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None) -> torch.Tensor:
+    """Scores of the model's output rows ``lm_weight`` [V', H] for head states x [..., H]."""
+    logits = x.to(lm_weight.dtype) @ lm_weight.T
+    return logits + lm_bias.to(logits.dtype) if lm_bias is not None else logits
+
+
+@dataclass(frozen=True)
 class _Loaded:
-    packed: PackedHeads
+    packed: PackedHeads | PackedPathHeads
+    sequential: bool
     num_heads: int
     hidden_size: int
     vocab_size: int
@@ -519,6 +648,7 @@ def load_heads(heads: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
             module = MedusaHeads.from_pretrained(path)
             hit = _Loaded(
                 packed=module.pack(dtype, device, head_dtype),
+                sequential=module.sequential,
                 num_heads=module.num_heads,
                 hidden_size=module.hidden_size,
                 vocab_size=module.vocab_size,
@@ -567,8 +697,10 @@ class _State:
     lm_weight: torch.Tensor | None  # [V, H] the model's output weight in the head dtype
     lm_bias: torch.Tensor | None
     paths: tuple[TreePath, ...]
+    embed: torch.Tensor | None = None  # [V, H] the model's input embeddings (sequential heads)
     arrays: dict[int, TreeArrays] = field(default_factory=dict)  # by node count
     topk: dict[int, int] = field(default_factory=dict)  # node count -> top tokens needed per head
+    levels: dict[int, tuple[TreeLevel, ...]] = field(default_factory=dict)  # by node count (sequential heads)
 
     def tree(self, n: int) -> tuple[TreeArrays, int]:
         arrays = self.arrays.get(n)
@@ -576,6 +708,8 @@ class _State:
             paths = self.paths[:n]
             arrays = self.arrays[n] = tree_arrays(paths, device=self.loaded.packed.weight.device)
             self.topk[n] = max(p[-1] for p in paths) + 1
+            if self.loaded.sequential:
+                self.levels[n] = tree_levels(paths, device=self.loaded.packed.weight.device)
         return arrays, self.topk[n]
 
 
@@ -673,6 +807,12 @@ class Medusa(Drafter):
                 f"the Medusa heads in '{loaded.source}' predict {loaded.vocab_size} tokens, but the model's "
                 f"vocabulary has {vocab}: they were trained for another model"
             )
+        embed = None
+        if loaded.sequential:
+            embed = getattr(model.get_input_embeddings(), "weight", None)
+            if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (vocab, hidden):
+                raise ValueError(f"the sequential Medusa heads in '{loaded.source}' read the model's input embeddings, "
+                                 f"but {type(model).__name__} has no [{vocab}, {hidden}] embedding weight")
         lm_weight = lm_bias = None
         if not loaded.own_lm_head:
             subset = loaded.packed.subset
@@ -680,7 +820,7 @@ class Medusa(Drafter):
             lm_bias = getattr(out, "bias", None)
             if lm_bias is not None and subset is not None:
                 lm_bias = lm_bias[subset]
-        return _State(loaded, lm_weight, lm_bias, self.paths_for(loaded))
+        return _State(loaded, lm_weight, lm_bias, self.paths_for(loaded), embed)
 
     def propose(self, state: _State, ctx: DraftContext) -> DraftProposal | None:
         if ctx.hidden is None:
@@ -690,5 +830,15 @@ class Medusa(Drafter):
             return None
         arrays, k = state.tree(n)
         loaded = state.loaded
-        top = loaded.packed.top_tokens(ctx.hidden.reshape(-1), k, loaded.num_heads, state.lm_weight, state.lm_bias)
-        return DraftProposal(tokens=arrays.tokens(top), parents=arrays.parents)
+        h = ctx.hidden.reshape(-1)
+        if not loaded.sequential:
+            top = loaded.packed.top_tokens(h, k, loaded.num_heads, state.lm_weight, state.lm_bias)
+            return DraftProposal(tokens=arrays.tokens(top), parents=arrays.parents)
+        # level by level: each node's head reads the tokens on the path above it
+        tokens = torch.empty(n + 1, dtype=torch.long, device=h.device)
+        tokens[0] = ctx.tokens[-1]  # the pending root
+        for level in state.levels[n]:
+            path_emb = state.embed[tokens[level.ancestry]]  # [P, depth, H]
+            top = loaded.packed.top_tokens(level.head, h, path_emb, level.topk, state.lm_weight, state.lm_bias)
+            tokens[level.nodes] = top[level.row, level.rank]
+        return DraftProposal(tokens=tokens[1:], parents=arrays.parents)

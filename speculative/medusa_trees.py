@@ -29,11 +29,13 @@ __all__ = [
     "TREES",
     "MC_SIM_7B_63",
     "TreeArrays",
+    "TreeLevel",
     "build_tree",
     "check_paths",
     "expected_acceptance",
     "rank_accuracies",
     "tree_arrays",
+    "tree_levels",
     "truncate_paths",
 ]
 
@@ -188,3 +190,49 @@ def tree_arrays(paths: Sequence[Path], device: torch.device | str | None = None)
         rank=torch.tensor([p[-1] for p in paths], dtype=torch.long, device=device),
         parents=torch.tensor(parents, dtype=torch.long, device=device),
     )
+
+
+@dataclass(frozen=True)
+class TreeLevel:
+    """One depth of a tree, for heads that read the path they extend (Hydra-style heads).
+
+    Positions count the root as 0 and ``paths[i]`` as i + 1.
+
+    head: which head (0-based, = depth - 1) drafts this level's nodes.
+    ancestry: LongTensor [P, head + 1], for each of the P nodes expanded here (the parents
+        of this level's nodes), the positions of the tokens on its path: the root first,
+        the node itself last.
+    topk: how many of the head's top tokens the level needs (its largest rank + 1).
+    nodes: LongTensor [C], positions of this level's nodes.
+    row: LongTensor [C], which expanded node (row of ``ancestry``) each one extends.
+    rank: LongTensor [C], which of that row's top tokens it is.
+    """
+
+    head: int
+    ancestry: torch.Tensor
+    topk: int
+    nodes: torch.Tensor
+    row: torch.Tensor
+    rank: torch.Tensor
+
+
+def tree_levels(paths: Sequence[Path], device: torch.device | str | None = None) -> tuple[TreeLevel, ...]:
+    """The levels of ``paths`` (validated), shallowest first: drafting level d needs only
+    the tokens of the levels above it."""
+    paths = check_paths(paths)
+    index = {p: i + 1 for i, p in enumerate(paths)}
+    levels = []
+    for depth in range(1, max((len(p) for p in paths), default=0) + 1):
+        here = [p for p in paths if len(p) == depth]
+        parents = list(dict.fromkeys(p[:-1] for p in here))
+        row = {parent: r for r, parent in enumerate(parents)}
+        ancestry = [[0] + [index[parent[:j]] for j in range(1, depth)] for parent in parents]
+        levels.append(TreeLevel(
+            head=depth - 1,
+            ancestry=torch.tensor(ancestry, dtype=torch.long, device=device).reshape(len(parents), depth),
+            topk=max(p[-1] for p in here) + 1,
+            nodes=torch.tensor([index[p] for p in here], dtype=torch.long, device=device),
+            row=torch.tensor([row[p[:-1]] for p in here], dtype=torch.long, device=device),
+            rank=torch.tensor([p[-1] for p in here], dtype=torch.long, device=device),
+        ))
+    return tuple(levels)

@@ -78,6 +78,7 @@ class TrainConfig:
     num_heads: int = 4
     num_layers: int = 1
     own_lm_head: bool = False
+    sequential: bool = True  # Hydra-style heads that read the path they extend; False: the paper's independent heads
     prompts: str | None = None  # a text file, one prompt a line; None: the shipped prompts
     max_prompts: int | None = None
     system: str | None = None  # system message for the chat template (None: the template's)
@@ -186,6 +187,7 @@ def generate_batch(model: Any, tokenizer: Any, prompts: list[str], max_new_token
 
 
 def _prompts_hash(prompts: list[str], cfg: TrainConfig, model_name: str) -> str:
+    """A key for the data generated from ``prompts`` with ``cfg``'s generation settings."""
     h = hashlib.sha256()
     h.update(json.dumps([model_name, cfg.max_new_tokens, cfg.system, cfg.gen_batch_size, str(_data_dtype(cfg)), prompts]).encode())
     return h.hexdigest()[:16]
@@ -206,7 +208,6 @@ def generate_sequences(model: Any, tokenizer: Any, prompts: list[str], cfg: Trai
     from accel.adapter import default_eos
 
     eos = default_eos(model, tokenizer)
-    key = _prompts_hash(prompts, cfg, model_name)
     if cache is not None:
         cache.mkdir(parents=True, exist_ok=True)
     n_chunks = math.ceil(len(prompts) / cfg.gen_batch_size)
@@ -215,7 +216,9 @@ def generate_sequences(model: Any, tokenizer: Any, prompts: list[str], cfg: Trai
     gen_s, gen_tokens, loaded = 0.0, 0, 0
     for c in range(n_chunks):
         lo, hi = c * cfg.gen_batch_size, min(len(prompts), (c + 1) * cfg.gen_batch_size)
-        file = cache / f"chunk_{key}_{c:04d}.safetensors" if cache is not None else None
+        # keyed by the chunk's own prompts: adding prompts to the end of the file reuses every full chunk
+        key = _prompts_hash(prompts[lo:hi], cfg, model_name)
+        file = cache / f"chunk_{key}.safetensors" if cache is not None else None
         part = None
         if file is not None and file.is_file():
             try:
@@ -246,23 +249,35 @@ def generate_sequences(model: Any, tokenizer: Any, prompts: list[str], cfg: Trai
 
 
 def make_examples(seqs: Sequences, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Training examples: (hidden [P, H], targets [P, K]) with ``targets[p, k-1]`` the token
-    k steps after the one ``hidden[p]`` chose, -100 past the end of its row. Positions whose
-    every target is past the end are dropped."""
-    targets, keep = [], []
+    """Training examples: (hidden [P, H], tokens [P, K + 1]) with ``tokens[p, 0]`` the token
+    ``hidden[p]`` chose (the root of a draft from there) and ``tokens[p, k]`` the one k steps
+    after it, head k's target; -100 past the end of its row. Positions whose every target is
+    past the end are dropped."""
+    rows, keep = [], []
     start = 0
     for m in seqs.lengths.tolist():
         toks = seqs.tokens[start:start + m]
-        t = torch.full((m, num_heads), -100, dtype=torch.long)
-        for k in range(1, num_heads + 1):
+        t = torch.full((m, num_heads + 1), -100, dtype=torch.long)
+        for k in range(num_heads + 1):
             if m > k:
-                t[: m - k, k - 1] = toks[k:]
-        targets.append(t[: max(0, m - 1)])
+                t[: m - k, k] = toks[k:]
+        rows.append(t[: max(0, m - 1)])
         keep.append(torch.arange(start, start + max(0, m - 1)))
         start += m
     idx = torch.cat(keep) if keep else torch.empty(0, dtype=torch.long)
-    tgt = torch.cat(targets) if targets else torch.empty(0, num_heads, dtype=torch.long)
-    return seqs.hidden[idx], tgt
+    tokens = torch.cat(rows) if rows else torch.empty(0, num_heads + 1, dtype=torch.long)
+    return seqs.hidden[idx], tokens
+
+
+def _head_states(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor | None) -> torch.Tensor:
+    """heads.hidden for examples: [B, H], [B, K + 1] -> [B, K, H]. Sequential heads read the
+    embeddings (``embed`` [V, H]) of the true path, i.e. trained as they are used: a node is
+    only accepted when every token above it was right."""
+    if not heads.sequential:
+        return heads.hidden(hidden)
+    if embed is None:
+        raise ValueError("sequential heads need the model's input embeddings (embed=model.get_input_embeddings().weight)")
+    return heads.hidden(hidden, embed[tokens[:, : heads.num_heads].clamp(min=0)])
 
 
 # --------------------------------------------------------------------------- loss, eval
@@ -276,17 +291,20 @@ def _rows(heads: MedusaHeads, k: int, lm_weight: torch.Tensor | None) -> torch.T
     return w[heads.vocab_subset] if heads.vocab_subset is not None else w
 
 
-def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, lm_weight: torch.Tensor | None,
-                decay: float = 0.8, mm_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, list[float]]:
+def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, lm_weight: torch.Tensor | None,
+                decay: float = 0.8, mm_dtype: torch.dtype | None = None,
+                embed: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Weighted sum over heads of the mean cross-entropy on valid targets.
 
-    hidden: [B, H]; targets: [B, K] token ids (-100 = none; with a ``heads.vocab_subset``
-    every target must be in it); lm_weight: [V', H] the frozen base output rows for the
-    subset (all rows without one; ignored by heads with their own); mm_dtype: dtype of the
-    vocabulary projection. Returns the loss and the per-head mean losses.
+    hidden: [B, H]; tokens: [B, K + 1] as from :func:`make_examples` (-100 = none; with a
+    ``heads.vocab_subset`` every target must be in it); lm_weight: [V', H] the frozen base
+    output rows for the subset (all rows without one; ignored by heads with their own);
+    mm_dtype: dtype of the vocabulary projection; embed: [V, H] the model's input
+    embeddings (sequential heads only). Returns the loss and the per-head mean losses.
     """
     subset = heads.vocab_subset
-    x = heads.hidden(hidden)  # [B, K, H]
+    x = _head_states(heads, hidden, tokens, embed)  # [B, K, H]
+    targets = tokens[:, 1:]
     total = hidden.new_zeros(())
     per_head = []
     for k in range(heads.num_heads):
@@ -311,16 +329,18 @@ def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor,
 
 
 @torch.no_grad()
-def evaluate_heads(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, lm_weight: torch.Tensor | None,
-                   topk: int = TOPK_EVAL, batch: int = 512, mm_dtype: torch.dtype | None = None) -> list[list[float]]:
+def evaluate_heads(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, lm_weight: torch.Tensor | None,
+                   topk: int = TOPK_EVAL, batch: int = 512, mm_dtype: torch.dtype | None = None,
+                   embed: torch.Tensor | None = None) -> list[list[float]]:
     """Cumulative top-1..top-``topk`` accuracy of each head, [K][topk] (targets outside the
-    heads' vocabulary subset count as misses). lm_weight as in :func:`medusa_loss`."""
+    heads' vocabulary subset count as misses); sequential heads given the true path, i.e.
+    the accuracy of a node whose ancestors are right. Arguments as in :func:`medusa_loss`."""
     K = heads.num_heads
     hits = torch.zeros(K, topk, dtype=torch.long)
     counts = torch.zeros(K, dtype=torch.long)
     for lo in range(0, hidden.shape[0], batch):
-        x = heads.hidden(hidden[lo:lo + batch])
-        tgt = targets[lo:lo + batch]
+        x = _head_states(heads, hidden[lo:lo + batch], tokens[lo:lo + batch], embed)
+        tgt = tokens[lo:lo + batch, 1:]
         for k in range(K):
             valid = tgt[:, k] >= 0
             if not bool(valid.any()):
@@ -339,12 +359,14 @@ def evaluate_heads(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tens
 
 
 @torch.no_grad()
-def simulate_acceptance(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, lm_weight: torch.Tensor | None,
+def simulate_acceptance(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, lm_weight: torch.Tensor | None,
                         paths: list[tuple[int, ...]] | tuple[tuple[int, ...], ...], batch: int = 512,
-                        mm_dtype: torch.dtype | None = None) -> float:
+                        mm_dtype: torch.dtype | None = None, embed: torch.Tensor | None = None) -> float:
     """Mean accepted drafts per verify step (bonus excluded) that the tree ``paths`` would get
     on held-out positions under greedy decoding: the deepest tree node whose whole path
-    matches the targets. hidden [P, H], targets [P, K] as from :func:`make_examples`."""
+    matches the targets. hidden [P, H], tokens [P, K + 1] as from :func:`make_examples`.
+    Sequential heads read the true path: where a node's path is right, that is what it
+    would have read when drafting."""
     if not paths:
         return 0.0
     depth = max(len(p) for p in paths)
@@ -354,8 +376,8 @@ def simulate_acceptance(heads: MedusaHeads, hidden: torch.Tensor, targets: torch
     index = {p: i for i, p in enumerate(paths)}
     total, count = 0.0, 0
     for lo in range(0, hidden.shape[0], batch):
-        x = heads.hidden(hidden[lo:lo + batch])
-        tgt = targets[lo:lo + batch]
+        x = _head_states(heads, hidden[lo:lo + batch], tokens[lo:lo + batch], embed)
+        tgt = tokens[lo:lo + batch, 1:]
         tops = []
         for k in range(depth):
             w = _rows(heads, k, lm_weight)
@@ -400,7 +422,7 @@ def _batches(n: int, batch: int, total_steps: int, seed: int, start_step: int) -
         step += 1
 
 
-_RUN_KEYS = ("model", "num_heads", "num_layers", "own_lm_head", "max_new_tokens", "data_dtype", "vocab_subset", "holdout",
+_RUN_KEYS = ("model", "num_heads", "num_layers", "own_lm_head", "sequential", "max_new_tokens", "data_dtype", "vocab_subset", "holdout",
              "epochs", "batch_size", "lr", "weight_decay", "dropout", "warmup_steps", "decay", "seed")
 
 
@@ -492,6 +514,7 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
     model_name = _model_name(cfg.model)
     lm = model.get_output_embeddings()
     lm_weight = lm.weight.detach()
+    embed = model.get_input_embeddings().weight.detach() if cfg.sequential else None
     vocab, hidden_size = lm_weight.shape
     mm_dtype = None
     use_bf16 = cfg.bf16 if cfg.bf16 is not None else (lm_weight.device.type == "cpu" and _bf16_fast_on_cpu())
@@ -526,7 +549,8 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
             subset = torch.unique(torch.cat([seqs.rows(train_rows).tokens, y_train[y_train >= 0]])).to(lm_weight.device)
 
         # 2. training
-        heads = MedusaHeads(cfg.num_heads, hidden_size, vocab, cfg.num_layers, cfg.own_lm_head, vocab_subset=subset)
+        heads = MedusaHeads(cfg.num_heads, hidden_size, vocab, cfg.num_layers, cfg.own_lm_head, vocab_subset=subset,
+                            sequential=cfg.sequential)
         heads = heads.to(lm_weight.device)
         heads.set_dropout(cfg.dropout)
         if cfg.own_lm_head:
@@ -543,7 +567,8 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
         for step, idx in _batches(x_train.shape[0], cfg.batch_size, total, cfg.seed, step):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, total, cfg)
-            loss, per_head = medusa_loss(heads, x_train[idx], y_train[idx].to(lm_weight.device), lm_mm, cfg.decay, mm_dtype)
+            loss, per_head = medusa_loss(heads, x_train[idx], y_train[idx].to(lm_weight.device), lm_mm, cfg.decay, mm_dtype,
+                                         embed)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -564,7 +589,7 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
         if x_hold is not None and x_hold.shape[0]:
             ev = bar.add_task("evaluating", total=1, info="") if bar is not None else None
             acc = evaluate_heads(heads, x_hold.to(lm_weight.device, lm_weight.dtype), y_hold.to(lm_weight.device), lm_mm,
-                                 mm_dtype=mm_dtype)
+                                 mm_dtype=mm_dtype, embed=embed)
             if bar is not None:
                 bar.update(ev, completed=1, info="top-1 " + " ".join(f"{row[0]:.2f}" for row in acc))
         else:
@@ -574,8 +599,8 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
         "base_model": model_name,
         "topk_accuracy": acc,
         "eval_positions": int(x_hold.shape[0]) if x_hold is not None else 0,
-        "eval_targets_in_subset": (round(float(torch.isin(y_hold[y_hold >= 0], subset).float().mean()), 4)
-                                   if subset is not None and y_hold is not None and bool((y_hold >= 0).any()) else None),
+        "eval_targets_in_subset": (round(float(torch.isin(y_hold[:, 1:][y_hold[:, 1:] >= 0], subset).float().mean()), 4)
+                                   if subset is not None and y_hold is not None and bool((y_hold[:, 1:] >= 0).any()) else None),
         "training": {
             **{k: v for k, v in asdict(cfg).items() if k not in ("out", "threads")},
             "prompts_used": len(prompts),
@@ -622,6 +647,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_heads=get("heads", d.num_heads),
         num_layers=get("layers", d.num_layers),
         own_lm_head=bool(getattr(args, "own_lm_head", False)),
+        sequential=not getattr(args, "independent", False),
         prompts=get("prompts", None),
         max_prompts=get("max_prompts", None),
         max_new_tokens=get("max_new_tokens", d.max_new_tokens),
@@ -644,10 +670,12 @@ def run_cli(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     if cfg.num_heads < 1 or cfg.num_layers < 0 or cfg.batch_size < 1 or cfg.epochs <= 0 or cfg.max_new_tokens < 2:
         raise ValueError("train-heads: need --heads >= 1, --layers >= 0, --batch-size >= 1, --epochs > 0, --max-new-tokens >= 2")
+    if cfg.sequential and cfg.num_layers < 1:
+        raise ValueError("train-heads: sequential heads need --layers >= 1 (pass --independent for heads without blocks)")
     heads = train_heads(cfg, restart=bool(getattr(args, "restart", False)))
     info = heads.info["training"]
     acc = heads.info.get("topk_accuracy") or []
-    print(f"saved {heads.num_heads} Medusa heads to {Path(cfg.out) / WEIGHTS_NAME} (+ {CONFIG_NAME})")
+    print(f"saved {heads.num_heads} {'sequential' if heads.sequential else 'independent'} Medusa heads to {Path(cfg.out) / WEIGHTS_NAME} (+ {CONFIG_NAME})")
     print(f"data: {info['sequences']} sequences, {info['train_positions']} training positions; "
           f"generation {info['generation_s']} s; training {info['train_s']} s; total {info['total_s']} s")
     for k, row in enumerate(acc, 1):

@@ -29,8 +29,9 @@ from speculative.medusa_trees import (
 HIDDEN = 64  # hidden size of the tiny models
 
 
-def random_heads(num_heads: int = 3, num_layers: int = 1, own_lm_head: bool = False, seed: int = 0, std: float = 0.3) -> MedusaHeads:
-    heads = MedusaHeads(num_heads, HIDDEN, TINY_VOCAB, num_layers, own_lm_head)
+def random_heads(num_heads: int = 3, num_layers: int = 1, own_lm_head: bool = False, seed: int = 0, std: float = 0.3,
+                 sequential: bool = False) -> MedusaHeads:
+    heads = MedusaHeads(num_heads, HIDDEN, TINY_VOCAB, num_layers, own_lm_head, sequential=sequential)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in heads.parameters():
@@ -50,13 +51,14 @@ def _generate(model, ids, strategies, new=30):
 # --------------------------------------------------------------------------- exactness
 
 
+@pytest.mark.parametrize("sequential", [False, True])
 @pytest.mark.parametrize("compressed", [False, True])
 @pytest.mark.parametrize("tree", ["auto", "mc_sim_7b_63", "chain", ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))])
-def test_greedy_output_is_unchanged_by_medusa(tmp_path, compressed, tree):
+def test_greedy_output_is_unchanged_by_medusa(tmp_path, compressed, tree, sequential):
     model = make_tiny_model(seed=21)
     ids = _prompt(1, 48)
     base = [SnapKV(budget=16, window=4, kernel=3)] if compressed else []
-    random_heads(seed=1).save_pretrained(tmp_path)
+    random_heads(seed=1, sequential=sequential).save_pretrained(tmp_path)
     ref = _generate(model, ids, base)
     out = _generate(model, ids, base + [Medusa(heads=str(tmp_path), tree=tree, max_nodes=12)])
     assert torch.equal(out.sequences, ref.sequences)
@@ -71,13 +73,14 @@ def test_compressed_reference_differs_from_full():
                            _generate(model, ids, [SnapKV(budget=16, window=4, kernel=3)]).sequences)
 
 
+@pytest.mark.parametrize("sequential", [False, True])
 @pytest.mark.parametrize("head_dtype", ["float32", "bfloat16", "model"])
-def test_identity_heads_accept_on_repetitive_output_and_stay_exact(tmp_path, head_dtype):
+def test_identity_heads_accept_on_repetitive_output_and_stay_exact(tmp_path, head_dtype, sequential):
     # Fresh heads are the identity: every head proposes the base model's next-token choice
     # at the last verified position. Some of those drafts are right, so tokens get accepted.
     model = make_tiny_model(seed=22)
     ids = _prompt(2, 40)
-    MedusaHeads(3, HIDDEN, TINY_VOCAB).save_pretrained(tmp_path)
+    MedusaHeads(3, HIDDEN, TINY_VOCAB, sequential=sequential).save_pretrained(tmp_path)
     ref = _generate(model, ids, [], new=40)
     out = _generate(model, ids, [Medusa(heads=str(tmp_path), head_dtype=head_dtype)], new=40)
     assert torch.equal(out.sequences, ref.sequences)
@@ -117,6 +120,38 @@ def test_propose_builds_the_tree_from_head_top_tokens(tmp_path):
     assert small.tokens.tolist() == prop.tokens.tolist()[:3] and small.parents.tolist() == [0, 0, 1]
 
 
+def test_sequential_heads_draft_each_node_from_its_own_path(tmp_path):
+    model = make_tiny_model(seed=25)
+    heads = random_heads(seed=7, sequential=True, num_layers=2)
+    with torch.no_grad():  # the tiny model's embeddings are small: make the path matter
+        for head in heads.heads:
+            head.blocks[0].linear.weight[:, HIDDEN:] *= 50
+    heads.save_pretrained(tmp_path)
+    paths = ((0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,))
+    drafter = Medusa(heads=str(tmp_path), tree=paths, head_dtype="float32", max_nodes=len(paths))
+    state = drafter.start(model, torch.tensor([5, 6, 7]))
+    h = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(1))
+    prop = drafter.propose(state, DraftContext(tokens=torch.tensor([5, 6, 7]), hidden=h, max_tokens=32))
+    assert prop.parents.tolist() == [0, 0, 1, 1, 2, 3, 0]
+    # brute force: node i's token is the rank-paths[i][-1] token of head len(paths[i]),
+    # reading the embeddings of the root (7) and of the drafted tokens above the node
+    emb = model.get_input_embeddings().weight
+    lm = model.get_output_embeddings()
+    tokens = {(): 7}
+    for path, got in zip(paths, prop.tokens.tolist()):
+        chain = [tokens[path[:j]] for j in range(len(path))]
+        k = len(path)
+        pad = chain + [0] * (heads.num_heads - k)  # the heads past k do not read these
+        with torch.no_grad():
+            logits = heads(h, lm, path_emb=emb[torch.tensor(pad)])[k - 1]
+        assert got == int(logits.topk(path[-1] + 1).indices[path[-1]]), path
+        tokens[path] = got
+    # the drafts depend on the path: other roots change what the heads propose
+    others = [drafter.propose(state, DraftContext(tokens=torch.tensor([5, 6, r]), hidden=h, max_tokens=32)).tokens
+              for r in range(8, 40)]
+    assert any(not torch.equal(o, prop.tokens) for o in others)
+
+
 def test_propose_without_hidden_is_a_clear_error(tmp_path):
     random_heads().save_pretrained(tmp_path)
     drafter = Medusa(heads=str(tmp_path))
@@ -128,23 +163,30 @@ def test_propose_without_hidden_is_a_clear_error(tmp_path):
 # --------------------------------------------------------------------------- files
 
 
-@pytest.mark.parametrize("own_lm_head", [False, True])
-def test_save_load_round_trip(tmp_path, own_lm_head):
-    heads = random_heads(num_heads=2, num_layers=2, own_lm_head=own_lm_head, seed=5)
+@pytest.mark.parametrize("own_lm_head,sequential", [(False, False), (True, False), (False, True), (True, True)])
+def test_save_load_round_trip(tmp_path, own_lm_head, sequential):
+    heads = random_heads(num_heads=2, num_layers=2, own_lm_head=own_lm_head, seed=5, sequential=sequential)
     heads.info = {"base_model": "tiny", "topk_accuracy": [[0.5] * 10, [0.25] * 10]}
     heads.save_pretrained(tmp_path)
     assert {p.name for p in tmp_path.iterdir()} == {WEIGHTS_NAME, CONFIG_NAME}
     cfg = json.loads((tmp_path / CONFIG_NAME).read_text())
     assert cfg["num_heads"] == 2 and cfg["num_layers"] == 2 and cfg["hidden_size"] == HIDDEN
     assert cfg["vocab_size"] == TINY_VOCAB and cfg["own_lm_head"] is own_lm_head and cfg["base_model"] == "tiny"
+    assert cfg["sequential"] is sequential
     back = MedusaHeads.from_pretrained(tmp_path)
-    assert back.info["topk_accuracy"] == heads.info["topk_accuracy"]
+    assert back.sequential is sequential and back.info["topk_accuracy"] == heads.info["topk_accuracy"]
     for (k1, v1), (k2, v2) in zip(heads.state_dict().items(), back.state_dict().items()):
         assert k1 == k2 and torch.equal(v1, v2)
     lm = make_tiny_model().get_output_embeddings()
     h = torch.randn(3, HIDDEN)
+    path = torch.randn(3, 2, HIDDEN) if sequential else None
     with torch.no_grad():
-        assert torch.equal(heads(h, lm), back(h, lm))
+        assert torch.equal(heads(h, lm, path_emb=path), back(h, lm, path_emb=path))
+    if sequential:  # the same weights read as independent heads: a shape mismatch, named
+        cfg["sequential"] = False
+        (tmp_path / CONFIG_NAME).write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match="has shape .* independent heads"):
+            MedusaHeads.from_pretrained(tmp_path)
 
 
 def test_save_in_bfloat16_loads_back_close(tmp_path):

@@ -72,27 +72,33 @@ def test_make_examples_targets_are_the_following_tokens():
                      lengths=torch.tensor([4, 2]), prompt_index=torch.tensor([0, 1]))
     x, y = make_examples(seqs, num_heads=2)
     assert x.flatten().tolist() == [0.0, 1.0, 2.0, 4.0]  # the last state of a row has no target
-    assert y.tolist() == [[11, 12], [12, 13], [13, -100], [21, -100]]
+    # column 0: the token the state chose (the root); column k: head k's target
+    assert y.tolist() == [[10, 11, 12], [11, 12, 13], [12, 13, -100], [20, 21, -100]]
 
 
-def test_a_few_training_steps_lower_the_loss():
+@pytest.mark.parametrize("sequential", [False, True])
+def test_a_few_training_steps_lower_the_loss(sequential):
     model = make_tiny_model(seed=32)
     toks, states = generate_batch(model, CharTokenizer(), PROMPTS, max_new_tokens=24, eos=[])
     seqs = Sequences(torch.cat(toks), torch.cat(states), torch.tensor([t.numel() for t in toks]), torch.arange(len(toks)))
     x, y = make_examples(seqs, num_heads=3)
-    heads = MedusaHeads(3, 64, TINY_VOCAB)
+    heads = MedusaHeads(3, 64, TINY_VOCAB, sequential=sequential)
     lm_weight = model.get_output_embeddings().weight.detach()
+    embed = model.get_input_embeddings().weight.detach() if sequential else None
     opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
     losses = []
     for _ in range(30):
-        loss, per_head = medusa_loss(heads, x, y, lm_weight)
+        loss, per_head = medusa_loss(heads, x, y, lm_weight, embed=embed)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
     assert losses[-1] < 0.8 * losses[0]
-    acc = evaluate_heads(heads, x, y, lm_weight, topk=5)
+    acc = evaluate_heads(heads, x, y, lm_weight, topk=5, embed=embed)
     assert len(acc) == 3 and all(len(r) == 5 and r == sorted(r) for r in acc)
+    if sequential:
+        with pytest.raises(ValueError, match="input embeddings"):
+            medusa_loss(heads, x, y, lm_weight)
 
 
 def test_train_heads_pipeline_writes_heads_and_resumes_exactly(tmp_path):
