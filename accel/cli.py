@@ -80,9 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "defaults of speculative.train.TrainConfig.")
     t.add_argument("--model", default="default")
     t.add_argument("--out", required=True, help="output folder (heads, config, cached data, checkpoint)")
-    t.add_argument("--heads", type=int, default=None, help="number of heads, i.e. draft depth (default 4)")
+    t.add_argument("--heads", type=int, default=None, help="number of heads, i.e. draft depth (default 3)")
     t.add_argument("--layers", type=int, default=None, help="residual blocks per head (default 1)")
     t.add_argument("--own-lm-head", action="store_true", help="give every head its own output layer (large files)")
+    t.add_argument("--distill", action="store_true",
+                   help="learn the base model's next-token distribution at every target, not only its greedy token")
     t.add_argument("--independent", action="store_true",
                    help="the Medusa paper's independent heads, which see only the hidden state (default: sequential, "
                         "Hydra-style heads that also read the draft tokens above the node they draft)")

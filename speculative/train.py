@@ -24,9 +24,13 @@ each resumable:
    ``DIR/medusa_heads.safetensors``; load with ``Medusa.from_pretrained(DIR)``.
 
 The prompts are disjoint from the benchmark's chat prompts (``accel/bench/prompts.py``) and
-from ``speculative/data/eval_prompts.txt``; nothing is downloaded. The shipped heads took
-19.6 min with the defaults on a shared 2-core CPU (``--threads 1``): 15 min generating 100K
-tokens for 715 prompts, 4.3 min training 6 epochs.
+from ``speculative/data/eval_prompts.txt``; nothing is downloaded. The shipped heads
+(3 sequential heads) come from ``accel train-heads --model default --out DIR
+--save-dtype bfloat16 --threads 2`` on the 2-core CPU: 288K tokens generated for 2054
+prompts, then 8.5 min training 6 epochs over 268K positions. Generation ran at 161 tok/s
+(~30 min from scratch; here the first 715 prompts' chunks were reused from an earlier run,
+which the per-chunk cache allows). Held-out top-1 accuracies: head 1 0.53, head 2 0.45,
+head 3 0.43 (sequential heads: given a right path above them).
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ __all__ = [
     "generate_sequences",
     "make_examples",
     "medusa_loss",
+    "example_positions",
     "evaluate_heads",
     "simulate_acceptance",
     "train_heads",
@@ -75,7 +80,7 @@ class TrainConfig:
 
     out: str
     model: str = "default"
-    num_heads: int = 4
+    num_heads: int = 3  # sequential heads' 4th level rarely enters a tree of <= 32 nodes
     num_layers: int = 1
     own_lm_head: bool = False
     sequential: bool = True  # Hydra-style heads that read the path they extend; False: the paper's independent heads
@@ -94,6 +99,7 @@ class TrainConfig:
     dropout: float = 0.0  # on the residual blocks' inputs while training
     warmup_steps: int = 20
     decay: float = 0.8  # loss weight of head k is decay ** (k - 1)
+    distill: bool = False  # learn the base model's distribution at each target, not only its greedy token
     bf16: bool | None = None  # bfloat16 vocabulary projection; None: where the CPU is fast at it
     checkpoint_every: int = 50
     seed: int = 0
@@ -253,7 +259,7 @@ def make_examples(seqs: Sequences, num_heads: int) -> tuple[torch.Tensor, torch.
     ``hidden[p]`` chose (the root of a draft from there) and ``tokens[p, k]`` the one k steps
     after it, head k's target; -100 past the end of its row. Positions whose every target is
     past the end are dropped."""
-    rows, keep = [], []
+    rows = []
     start = 0
     for m in seqs.lengths.tolist():
         toks = seqs.tokens[start:start + m]
@@ -262,11 +268,19 @@ def make_examples(seqs: Sequences, num_heads: int) -> tuple[torch.Tensor, torch.
             if m > k:
                 t[: m - k, k] = toks[k:]
         rows.append(t[: max(0, m - 1)])
+        start += m
+    tokens = torch.cat(rows) if rows else torch.empty(0, num_heads + 1, dtype=torch.long)
+    return seqs.hidden[example_positions(seqs)], tokens
+
+
+def example_positions(seqs: Sequences) -> torch.Tensor:
+    """Which rows of ``seqs.hidden`` :func:`make_examples` keeps, LongTensor [P]: the state
+    whose k-th target was chosen by row ``positions[p] + k`` (same sequence, where valid)."""
+    keep, start = [], 0
+    for m in seqs.lengths.tolist():
         keep.append(torch.arange(start, start + max(0, m - 1)))
         start += m
-    idx = torch.cat(keep) if keep else torch.empty(0, dtype=torch.long)
-    tokens = torch.cat(rows) if rows else torch.empty(0, num_heads + 1, dtype=torch.long)
-    return seqs.hidden[idx], tokens
+    return torch.cat(keep) if keep else torch.empty(0, dtype=torch.long)
 
 
 def _head_states(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, embed: torch.Tensor | None) -> torch.Tensor:
@@ -293,14 +307,16 @@ def _rows(heads: MedusaHeads, k: int, lm_weight: torch.Tensor | None) -> torch.T
 
 def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, lm_weight: torch.Tensor | None,
                 decay: float = 0.8, mm_dtype: torch.dtype | None = None,
-                embed: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
+                embed: torch.Tensor | None = None, teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
     """Weighted sum over heads of the mean cross-entropy on valid targets.
 
     hidden: [B, H]; tokens: [B, K + 1] as from :func:`make_examples` (-100 = none; with a
     ``heads.vocab_subset`` every target must be in it); lm_weight: [V', H] the frozen base
-    output rows for the subset (all rows without one; ignored by heads with their own);
-    mm_dtype: dtype of the vocabulary projection; embed: [V, H] the model's input
-    embeddings (sequential heads only). Returns the loss and the per-head mean losses.
+    output rows for the subset (all rows without one); mm_dtype: dtype of the vocabulary
+    projection; embed: [V, H] the model's input embeddings (sequential heads only);
+    teacher: [B, K, H] or None, the base model's hidden states that chose each target: the
+    heads then learn the base model's whole next-token distribution there (restricted to
+    the subset), not only its greedy choice. Returns the loss and the per-head mean losses.
     """
     subset = heads.vocab_subset
     x = _head_states(heads, hidden, tokens, embed)  # [B, K, H]
@@ -319,9 +335,14 @@ def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, 
             logits = F.linear(xk.to(mm_dtype), w.to(mm_dtype) if w.dtype != mm_dtype else w)
         else:
             logits = F.linear(xk, w)
-        t = tgt[valid]
-        if subset is not None:
-            t = torch.searchsorted(subset, t)
+        if teacher is not None:
+            with torch.no_grad():
+                tk = teacher[valid, k]
+                t = F.linear(tk.to(mm_dtype) if mm_dtype is not None else tk, lm_weight.to(logits.dtype)).float().softmax(-1)
+        else:
+            t = tgt[valid]
+            if subset is not None:
+                t = torch.searchsorted(subset, t)
         loss = F.cross_entropy(logits.float(), t)
         per_head.append(float(loss.detach()))
         total = total + (decay ** k) * loss
@@ -423,7 +444,7 @@ def _batches(n: int, batch: int, total_steps: int, seed: int, start_step: int) -
 
 
 _RUN_KEYS = ("model", "num_heads", "num_layers", "own_lm_head", "sequential", "max_new_tokens", "data_dtype", "vocab_subset", "holdout",
-             "epochs", "batch_size", "lr", "weight_decay", "dropout", "warmup_steps", "decay", "seed")
+             "epochs", "batch_size", "lr", "weight_decay", "dropout", "warmup_steps", "decay", "distill", "seed")
 
 
 def _save_checkpoint(folder: Path, heads: MedusaHeads, opt: torch.optim.Optimizer, step: int, cfg: TrainConfig,
@@ -539,7 +560,13 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
         order = torch.randperm(len(seqs.lengths), generator=torch.Generator().manual_seed(cfg.seed))
         n_hold = max(1, round(cfg.holdout * len(order))) if cfg.holdout > 0 and len(order) > 1 else 0
         hold_rows, train_rows = order[:n_hold].sort().values, order[n_hold:].sort().values
-        x_train, y_train = make_examples(seqs.rows(train_rows), cfg.num_heads)
+        train_seqs = seqs.rows(train_rows)
+        x_train, y_train = make_examples(train_seqs, cfg.num_heads)
+        teacher_rows = teacher_all = None
+        if cfg.distill:  # row p's head-k target was chosen by state positions[p] + k
+            steps = torch.arange(1, cfg.num_heads + 1)
+            teacher_all = train_seqs.hidden.to(lm_weight.device, lm_weight.dtype)
+            teacher_rows = (example_positions(train_seqs).unsqueeze(1) + steps).clamp(max=teacher_all.shape[0] - 1)
         x_hold, y_hold = make_examples(seqs.rows(hold_rows), cfg.num_heads) if n_hold else (None, None)
         if x_train.shape[0] == 0:
             raise ValueError("no training positions: the model generated nothing (check the prompts and max_new_tokens)")
@@ -567,8 +594,9 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
         for step, idx in _batches(x_train.shape[0], cfg.batch_size, total, cfg.seed, step):
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, total, cfg)
+            teacher = teacher_all[teacher_rows[idx]] if teacher_all is not None else None
             loss, per_head = medusa_loss(heads, x_train[idx], y_train[idx].to(lm_weight.device), lm_mm, cfg.decay, mm_dtype,
-                                         embed)
+                                         embed, teacher)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()
@@ -648,6 +676,7 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         num_layers=get("layers", d.num_layers),
         own_lm_head=bool(getattr(args, "own_lm_head", False)),
         sequential=not getattr(args, "independent", False),
+        distill=bool(getattr(args, "distill", False)),
         prompts=get("prompts", None),
         max_prompts=get("max_prompts", None),
         max_new_tokens=get("max_new_tokens", d.max_new_tokens),
@@ -680,5 +709,11 @@ def run_cli(args: argparse.Namespace) -> int:
           f"generation {info['generation_s']} s; training {info['train_s']} s; total {info['total_s']} s")
     for k, row in enumerate(acc, 1):
         print(f"head {k}: top-1 {row[0]:.3f}  top-5 {row[4]:.3f}  top-10 {row[9]:.3f}")
+    if acc:
+        from .medusa_trees import build_tree, expected_acceptance, rank_accuracies
+
+        ranks = rank_accuracies(acc)
+        sizes = "  ".join(f"{n} nodes {expected_acceptance(build_tree(ranks, n), ranks):.2f}" for n in (3, 5, 8, 16, 32))
+        print(f"expected accepted drafts per step, greedy trees from these accuracies: {sizes}")
     print(f"use it: accel generate PROMPT --strategy medusa:heads={cfg.out}")
     return 0

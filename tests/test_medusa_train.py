@@ -17,6 +17,7 @@ from speculative.train import (
     Sequences,
     TrainConfig,
     evaluate_heads,
+    example_positions,
     generate_batch,
     load_prompts,
     make_examples,
@@ -74,6 +75,35 @@ def test_make_examples_targets_are_the_following_tokens():
     assert x.flatten().tolist() == [0.0, 1.0, 2.0, 4.0]  # the last state of a row has no target
     # column 0: the token the state chose (the root); column k: head k's target
     assert y.tolist() == [[10, 11, 12], [11, 12, 13], [12, 13, -100], [20, 21, -100]]
+
+
+def test_distillation_learns_the_base_models_distribution_at_each_target():
+    model = make_tiny_model(seed=34)
+    toks, states = generate_batch(model, CharTokenizer(), PROMPTS, max_new_tokens=24, eos=[])
+    seqs = Sequences(torch.cat(toks), torch.cat(states), torch.tensor([t.numel() for t in toks]), torch.arange(len(toks)))
+    x, y = make_examples(seqs, num_heads=2)
+    pos = example_positions(seqs)
+    assert torch.equal(x, seqs.hidden[pos])
+    rows = (pos.unsqueeze(1) + torch.arange(1, 3)).clamp(max=seqs.hidden.shape[0] - 1)
+    lm = model.get_output_embeddings().weight.detach()
+    valid = y[:, 1:] >= 0
+    # the state at positions[p] + k chose head k's target: its argmax is that token
+    assert torch.equal((seqs.hidden[rows] @ lm.T).argmax(-1)[valid], y[:, 1:][valid])
+    heads = MedusaHeads(2, 64, TINY_VOCAB, sequential=True)
+    embed = model.get_input_embeddings().weight.detach()
+    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        loss, _ = medusa_loss(heads, x, y, lm, embed=embed, teacher=seqs.hidden[rows])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    # cross-entropy against soft targets = their entropy + KL: the KL part must shrink
+    probs = (seqs.hidden[rows] @ lm.T).softmax(-1)
+    ent = -(probs * probs.clamp_min(1e-30).log()).sum(-1)  # [P, 2]
+    floor = sum(0.8 ** k * float(ent[valid[:, k], k].mean()) for k in range(2))
+    assert losses[-1] - floor < 0.8 * (losses[0] - floor)
 
 
 @pytest.mark.parametrize("sequential", [False, True])
