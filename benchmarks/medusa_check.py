@@ -7,6 +7,7 @@ the cores, a forward pass can get 10x slower at random.
 
     python benchmarks/medusa_check.py verify-cost            # verify time vs tree size, ~500 / ~4K context
     python benchmarks/medusa_check.py chat                   # held-out chat prompts: accepted/step, tok/s ratio
+    python benchmarks/medusa_check.py accuracy               # the heads' accuracies on those prompts' greedy text
     python benchmarks/medusa_check.py snapkv                 # 4K-token document: SnapKV x Medusa
     python benchmarks/medusa_check.py all --threads 1
 
@@ -111,6 +112,37 @@ def _chat_prompts() -> list[str]:
     return prompts
 
 
+@torch.no_grad()
+def accuracy(model, tok, args) -> None:
+    """Per-head accuracies and the acceptance a tree would get, on the chat prompts' greedy
+    continuations (the same measure train-heads reports on its held-out training sequences)."""
+    from accel.adapter import default_eos
+    from speculative.medusa import MedusaHeads
+    from speculative.medusa_trees import build_tree, rank_accuracies
+    from speculative.train import Sequences, evaluate_heads, generate_batch, make_examples, simulate_acceptance
+
+    heads = MedusaHeads.from_pretrained(args.heads).eval()
+    prompts = _chat_prompts()[: args.prompts]
+    toks, states = [], []
+    for lo in range(0, len(prompts), 10):
+        t, h = generate_batch(model, tok, prompts[lo:lo + 10], args.new, None, default_eos(model, tok))
+        toks += t
+        states += h
+    seqs = Sequences(torch.cat(toks), torch.cat(states), torch.tensor([t.numel() for t in toks]), torch.arange(len(toks)))
+    x, y = make_examples(seqs, heads.num_heads)
+    lm = model.get_output_embeddings().weight.detach()
+    lm = (lm[heads.vocab_subset] if heads.vocab_subset is not None else lm).to(torch.bfloat16)
+    embed = model.get_input_embeddings().weight.detach()
+    acc = evaluate_heads(heads, x, y, lm, mm_dtype=torch.bfloat16, embed=embed)
+    print(f"{len(prompts)} chat prompts, {x.shape[0]} positions, {'sequential' if heads.sequential else 'independent'} heads")
+    for k, row in enumerate(acc, 1):
+        print(f"  head {k}: top-1 {row[0]:.3f}  top-5 {row[4]:.3f}  top-10 {row[9]:.3f}")
+    ranks = rank_accuracies(heads.topk_accuracy or acc)
+    for n in (5, 8, 16):
+        sim = simulate_acceptance(heads, x, y, lm, build_tree(ranks, n), mm_dtype=torch.bfloat16, embed=embed)
+        print(f"  {n}-node tree: {1 + sim:.2f} tokens per step if every position were a step")
+
+
 def _pair(model, tok, ids, strategies, new) -> tuple[accel.GenerateResult, accel.GenerateResult]:
     return (accel.generate(model, ids, strategies=strategies[0], max_new_tokens=new, tokenizer=tok),
             accel.generate(model, ids, strategies=strategies[1], max_new_tokens=new, tokenizer=tok))
@@ -205,7 +237,7 @@ def snapkv(model, tok, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["verify-cost", "chat", "snapkv", "all"])
+    ap.add_argument("what", choices=["verify-cost", "chat", "accuracy", "snapkv", "all"])
     ap.add_argument("--heads", default="default")
     ap.add_argument("--max-nodes", type=int, default=None)
     ap.add_argument("--tree", default=None)
@@ -225,6 +257,8 @@ def main() -> None:
         verify_cost(model, args)
     if args.what in ("chat", "all"):
         chat(model, tok, args)
+    if args.what in ("accuracy", "all"):
+        accuracy(model, tok, args)
     if args.what in ("snapkv", "all"):
         snapkv(model, tok, args)
 

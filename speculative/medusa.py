@@ -97,11 +97,12 @@ DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "heads" / "default"
 #: Draft nodes per verify step unless configured (the engine's own budget caps it too). On the
 #: 2-core CPU with prepacked weights (``accel.prepack``), a verify pass over ~200 cached tokens
 #: of 3-6 rows (2-5 drafts) costs no more than a single-token step, 7-9 rows 1.1-1.2x and
-#: 16 rows 1.44x (``python benchmarks/verify_cost.py --contexts 200``). Measured on 20
-#: held-out chat prompts (``benchmarks/medusa_check.py chat --max-nodes N``), decode speed-up
-#: against plain decoding: 3 nodes 1.34x, 4 1.39x, 5 1.44x, 6 1.33x, 8 1.27x, 12 1.19x,
-#: 16 1.12x, while accepted tokens per step only grow from 1.38 to 1.62.
-DEFAULT_MAX_NODES = 5
+#: 16 rows 1.44x (``python benchmarks/verify_cost.py --contexts 200``). With sequential
+#: heads, on the 20 benchmark chat prompts (``benchmarks/medusa_check.py chat --prompts 20
+#: --max-nodes N``; heads from an earlier run on 2054 of the shipped heads' 2272 prompts,
+#: without --distill): 5 nodes 1.40x plain decoding (1.63 tokens per step), 8 nodes 1.45x
+#: (1.76), 12 1.26x (1.82), 16 1.26x (1.87). The shipped heads: 1.47x (1.81) at 8 nodes.
+DEFAULT_MAX_NODES = 8
 
 
 # --------------------------------------------------------------------------- the heads
