@@ -97,11 +97,10 @@ DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "heads" / "default"
 #: Draft nodes per verify step unless configured (the engine's own budget caps it too). On the
 #: 2-core CPU with prepacked weights (``accel.prepack``), a verify pass over ~200 cached tokens
 #: of 3-6 rows (2-5 drafts) costs no more than a single-token step, 7-9 rows 1.1-1.2x and
-#: 16 rows 1.44x (``python benchmarks/verify_cost.py --contexts 200``). With sequential
-#: heads, on the 20 benchmark chat prompts (``benchmarks/medusa_check.py chat --prompts 20
-#: --max-nodes N``; heads from an earlier run on 2054 of the shipped heads' 2272 prompts,
-#: without --distill): 5 nodes 1.40x plain decoding (1.63 tokens per step), 8 nodes 1.45x
-#: (1.76), 12 1.26x (1.82), 16 1.26x (1.87). The shipped heads: 1.47x (1.81) at 8 nodes.
+#: 16 rows 1.44x (``python benchmarks/verify_cost.py --contexts 200``). With the shipped
+#: sequential heads, on the 20 benchmark chat prompts (``python benchmarks/medusa_check.py
+#: chat --prompts 20 --max-nodes N``, one run per N): 5 nodes 1.30x plain decoding (1.69
+#: tokens per step), 8 nodes 1.47x (1.81), 12 1.38x (1.87), 16 1.29x (1.92).
 DEFAULT_MAX_NODES = 8
 
 

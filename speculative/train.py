@@ -575,7 +575,7 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
         x_train = x_train.to(lm_weight.device, lm_weight.dtype)
         subset = None
         if cfg.vocab_subset:
-            subset = torch.unique(torch.cat([seqs.rows(train_rows).tokens, y_train[y_train >= 0]])).to(lm_weight.device)
+            subset = torch.unique(torch.cat([train_seqs.tokens, y_train[y_train >= 0]])).to(lm_weight.device)
 
         # 2. training
         heads = MedusaHeads(cfg.num_heads, hidden_size, vocab, cfg.num_layers, cfg.own_lm_head, vocab_subset=subset,
