@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "Hydra-style heads that also read the draft tokens above the node they draft)")
     t.add_argument("--prompts", default=None, help="prompt file, one a line (default: speculative/data/train_prompts.txt)")
     t.add_argument("--max-prompts", type=int, default=None)
+    t.add_argument("--self-prompts", type=int, default=None, metavar="N",
+                   help="add N user requests the model writes itself (sampled from its chat template; default 0)")
+    t.add_argument("--self-prompt-temperature", type=float, default=None, help="sampling temperature for them (default 1.0)")
     t.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per prompt (default 192)")
     t.add_argument("--gen-batch-size", type=int, default=None, help="prompts per generate call (default 64)")
     t.add_argument("--epochs", type=float, default=None, help="passes over the data (default 6)")

@@ -11,6 +11,9 @@ each resumable:
    a bfloat16 copy of the model (``data_dtype="auto"``, ~2x the tokens per second; the
    continuations are then the bf16 model's greedy ones, a little label noise for heads
    that serve the float32 model). Chunks are cached in ``DIR/data/``: a rerun skips them.
+   ``--self-prompts N`` adds N user requests the model writes itself (:func:`self_prompts`,
+   the "Magpie" trick: sampled from the chat template up to where a user's message
+   begins), so the heads see the model's own idea of its users beside the shipped prompts.
 2. **Training.** For the hidden state ``h_j`` that chose token ``g_j`` (the engine's
    ``DraftContext.hidden`` when ``g_j`` is the pending root), head k learns ``g_{j+k}``:
    loss = sum_k decay^(k-1) * CE(lm_head(head_k(h_j)), g_{j+k}) over the continuations,
@@ -59,6 +62,7 @@ __all__ = [
     "Sequences",
     "load_prompts",
     "generate_sequences",
+    "self_prompts",
     "make_examples",
     "medusa_loss",
     "example_positions",
@@ -107,6 +111,8 @@ class TrainConfig:
     seed: int = 0
     threads: int | None = None
     save_dtype: str = "float32"
+    self_prompts: int = 0  # user requests the model writes itself (Magpie-style), added to the prompts
+    self_prompt_temperature: float = 1.0
 
 
 # --------------------------------------------------------------------------- data
@@ -192,6 +198,96 @@ def generate_batch(model: Any, tokenizer: Any, prompts: list[str], max_new_token
         tokens.append(gen[b, :m].clone())
         states.append(hidden[b, :m].clone())
     return tokens, states
+
+
+_USER_MARK = "<<accel-user-message>>"
+
+
+def _user_prefix(tokenizer: Any, system: str | None) -> str:
+    """The chat-template text up to where a user's message begins."""
+    text = _chat_text(tokenizer, _USER_MARK, system)
+    if _USER_MARK not in text:
+        raise ValueError("the tokenizer's chat template does not show the user's message verbatim; "
+                         "self-written prompts need it")
+    return text[: text.index(_USER_MARK)]
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+@torch.inference_mode()
+def self_prompts(model: Any, tokenizer: Any, n: int, *, seed: int = 0, temperature: float = 1.0, top_p: float = 0.95,
+                 max_tokens: int = 64, batch_size: int = 64, system: str | None = None, exclude: Iterator[str] = (),
+                 progress: Any = None) -> list[str]:
+    """``n`` user requests written by the model itself (the "Magpie" trick, Xu et al. 2024).
+
+    An instruction-tuned model fed its chat template up to where a user's message begins
+    writes a plausible user message. Sampled (``temperature``, ``top_p``), a batch of those
+    gives requests as varied as the model's own idea of its users, in its own chat domain,
+    with no data to ship or download. A sample is kept when it closes the user's turn (an
+    end-of-turn token) within ``max_tokens``, holds at least three words, and is not already
+    kept or in ``exclude`` (compared case- and space-insensitively). The same arguments
+    give the same prompts (seeded per batch; the global RNG is left as it was).
+
+    Raises ValueError when after many batches fewer than ``n`` were kept.
+    """
+    from accel.adapter import default_eos
+
+    if n <= 0:
+        return []
+    eos = default_eos(model, tokenizer)
+    if not eos:
+        raise ValueError("self-written prompts need the model's end-of-turn token (none found)")
+    prefix = tokenizer([_user_prefix(tokenizer, system)], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    device = next(model.parameters()).device
+    ids = prefix.to(device).repeat(batch_size, 1)
+    seen = {_norm(t) for t in exclude}
+    kept: list[str] = []
+    task = progress.add_task("writing prompts", total=n, info="") if progress is not None else None
+    max_batches = max(8, 4 * math.ceil(n / batch_size))
+    for b in range(max_batches):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed * 1_000_003 + b)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
+                                 top_p=top_p, top_k=0, max_new_tokens=max_tokens, eos_token_id=eos, pad_token_id=eos[0])
+        for row in out[:, ids.shape[1]:].tolist():
+            end = next((i for i, t in enumerate(row) if t in eos), None)
+            if end is None:
+                continue  # the turn did not close: a ramble, not a request
+            text = tokenizer.decode(row[:end], skip_special_tokens=True).strip()
+            key = _norm(text)
+            if len(text.split()) < 3 or key in seen:
+                continue
+            seen.add(key)
+            kept.append(" ".join(text.splitlines()).strip())  # one prompt a line
+            if len(kept) == n:
+                break
+        if progress is not None:
+            progress.update(task, completed=len(kept), info=f"{len(kept)} of {(b + 1) * batch_size} kept")
+        if len(kept) == n:
+            return kept
+    raise ValueError(f"the model wrote only {len(kept)} usable prompts of {n} in {max_batches} batches; "
+                     "ask for fewer or change the temperature")
+
+
+def _self_prompts_cached(model: Any, tokenizer: Any, cfg: TrainConfig, cache: Path, model_name: str, exclude: list[str],
+                         progress: Any = None) -> list[str]:
+    """:func:`self_prompts` for ``cfg``, saved in ``cache`` (a rerun reads the file)."""
+    h = hashlib.sha256(json.dumps([model_name, cfg.self_prompts, cfg.self_prompt_temperature, cfg.seed, cfg.system,
+                                   str(_data_dtype(cfg)), sorted(exclude)]).encode()).hexdigest()[:16]
+    file = cache / f"self_prompts_{h}.txt"
+    if file.is_file():
+        lines = file.read_text(encoding="utf-8").splitlines()
+        if len(lines) == cfg.self_prompts:
+            return lines
+    prompts = self_prompts(model, tokenizer, cfg.self_prompts, seed=cfg.seed, temperature=cfg.self_prompt_temperature,
+                           batch_size=cfg.gen_batch_size, system=cfg.system, exclude=exclude, progress=progress)
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = file.with_name(file.name + ".tmp")
+    tmp.write_text("\n".join(prompts) + "\n", encoding="utf-8")
+    os.replace(tmp, file)
+    return prompts
 
 
 def _prompts_hash(prompts: list[str], cfg: TrainConfig, model_name: str) -> str:
@@ -556,6 +652,9 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
             import copy
 
             gen_model = copy.deepcopy(model).to(data_dtype)
+        if cfg.self_prompts:
+            prompts = prompts + _self_prompts_cached(gen_model, tokenizer, cfg, out / "data", model_name,
+                                                     _held_out_prompts() + prompts, bar)
         seqs, gen_facts = generate_sequences(gen_model, tokenizer, prompts, cfg, out / "data", model_name, bar)
         del gen_model
         data_key = _prompts_hash(prompts, cfg, model_name)
@@ -657,6 +756,18 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
     return heads
 
 
+def _held_out_prompts() -> list[str]:
+    """The prompts the heads are measured on, never to be trained on."""
+    held = load_prompts(EVAL_PROMPTS)
+    try:
+        from accel.bench.prompts import CHAT_PROMPTS
+
+        held += list(CHAT_PROMPTS)
+    except ImportError:
+        pass
+    return held
+
+
 class _Null:
     def __enter__(self):
         return self
@@ -693,6 +804,8 @@ def _config_from_args(args: argparse.Namespace) -> TrainConfig:
         threads=get("threads", None),
         bf16=False if getattr(args, "no_bf16", False) else None,
         save_dtype=get("save_dtype", d.save_dtype),
+        self_prompts=get("self_prompts", d.self_prompts),
+        self_prompt_temperature=get("self_prompt_temperature", d.self_prompt_temperature),
     )
 
 
@@ -701,6 +814,8 @@ def run_cli(args: argparse.Namespace) -> int:
     cfg = _config_from_args(args)
     if cfg.num_heads < 1 or cfg.num_layers < 0 or cfg.batch_size < 1 or cfg.epochs <= 0 or cfg.max_new_tokens < 2:
         raise ValueError("train-heads: need --heads >= 1, --layers >= 0, --batch-size >= 1, --epochs > 0, --max-new-tokens >= 2")
+    if cfg.self_prompts < 0 or cfg.self_prompt_temperature <= 0:
+        raise ValueError("train-heads: need --self-prompts >= 0 and --self-prompt-temperature > 0")
     if cfg.sequential and cfg.num_layers < 1:
         raise ValueError("train-heads: sequential heads need --layers >= 1 (pass --independent for heads without blocks)")
     heads = train_heads(cfg, restart=bool(getattr(args, "restart", False)))

@@ -22,6 +22,7 @@ from speculative.train import (
     load_prompts,
     make_examples,
     medusa_loss,
+    self_prompts,
     train_heads,
 )
 
@@ -35,6 +36,9 @@ class CharTokenizer:
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
         return "".join(f"[{m['role']}]{m['content']}" for m in messages) + ("[assistant]" if add_generation_prompt else "")
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"w{i}" for i in ids if not (skip_special_tokens and i in (0, 1)))
 
     def __call__(self, texts, return_tensors="pt", padding=True, add_special_tokens=False):
         rows = [[2 + ord(c) % (TINY_VOCAB - 2) for c in t] for t in texts]
@@ -185,3 +189,36 @@ def test_cli_options_reach_the_config(tmp_path):
     cfg = _config_from_args(args)
     assert cfg.num_heads == 3 and cfg.epochs == 1.5 and cfg.threads == 1 and cfg.model == "default"
     assert cfg.max_new_tokens == TrainConfig(out="").max_new_tokens  # unset options keep the defaults
+    assert cfg.self_prompts == 0
+    args = build_parser().parse_args(["train-heads", "--out", str(tmp_path), "--self-prompts", "300"])
+    assert _config_from_args(args).self_prompts == 300
+
+
+def test_self_written_prompts_are_seeded_distinct_and_leave_the_global_rng_alone():
+    model, tok = make_tiny_model(seed=5), CharTokenizer()
+    rng = torch.random.get_rng_state()
+    first = self_prompts(model, tok, 6, seed=1, batch_size=16, max_tokens=32)
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert len(first) == 6 and len(set(first)) == 6 and all(len(p.split()) >= 3 for p in first)
+    assert self_prompts(model, tok, 6, seed=1, batch_size=16, max_tokens=32) == first  # reproducible
+    assert self_prompts(model, tok, 6, seed=2, batch_size=16, max_tokens=32) != first
+    # what is excluded (e.g. the prompts the heads are measured on) is never returned
+    again = self_prompts(model, tok, 6, seed=1, batch_size=16, max_tokens=32, exclude=[first[0].upper()])
+    assert first[0] not in again and again[:5] == first[1:6]
+
+
+def test_self_written_prompts_fail_clearly_when_the_model_never_closes_a_usable_turn():
+    model, tok = make_tiny_model(seed=5), CharTokenizer()
+    with pytest.raises(ValueError, match="only 0 usable prompts"):
+        self_prompts(model, tok, 3, batch_size=4, max_tokens=2)  # <= 1 word before the end of turn: none usable
+
+
+def test_train_heads_adds_and_caches_self_written_prompts(tmp_path):
+    model, tok = make_tiny_model(seed=33), CharTokenizer()
+    cfg = _cfg(tmp_path, self_prompts=4, epochs=1)
+    heads = train_heads(cfg, model, tok, prompts=PROMPTS, progress=False)
+    assert heads.info["training"]["sequences"] == len(PROMPTS) + 4
+    written = list((tmp_path / "data").glob("self_prompts_*.txt"))
+    assert len(written) == 1 and len(written[0].read_text().splitlines()) == 4
+    again = train_heads(cfg, model, tok, prompts=PROMPTS, progress=False)
+    assert again.info["training"]["cached_chunks"] == 4 and again.info["training"]["generation_s"] == 0
