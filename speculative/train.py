@@ -219,7 +219,7 @@ def _norm(text: str) -> str:
 @torch.inference_mode()
 def self_prompts(model: Any, tokenizer: Any, n: int, *, seed: int = 0, temperature: float = 1.0, top_p: float = 0.95,
                  max_tokens: int = 64, batch_size: int = 64, system: str | None = None, exclude: Iterator[str] = (),
-                 progress: Any = None) -> list[str]:
+                 progress: Any = None, state: dict[str, Any] | None = None) -> list[str]:
     """``n`` user requests written by the model itself (the "Magpie" trick, Xu et al. 2024).
 
     An instruction-tuned model fed its chat template up to where a user's message begins
@@ -229,6 +229,10 @@ def self_prompts(model: Any, tokenizer: Any, n: int, *, seed: int = 0, temperatu
     end-of-turn token) within ``max_tokens``, holds at least three words, and is not already
     kept or in ``exclude`` (compared case- and space-insensitively). The same arguments
     give the same prompts (seeded per batch; the global RNG is left as it was).
+
+    state: optional ``{"batches": int, "prompts": list}``, updated after every batch with
+    the batches sampled and every prompt kept so far; passing it back continues where it
+    stopped, so asking for more prompts later keeps the first ones and samples only the rest.
 
     Raises ValueError when after many batches fewer than ``n`` were kept.
     """
@@ -242,11 +246,15 @@ def self_prompts(model: Any, tokenizer: Any, n: int, *, seed: int = 0, temperatu
     prefix = tokenizer([_user_prefix(tokenizer, system)], return_tensors="pt", add_special_tokens=False)["input_ids"]
     device = next(model.parameters()).device
     ids = prefix.to(device).repeat(batch_size, 1)
-    seen = {_norm(t) for t in exclude}
-    kept: list[str] = []
-    task = progress.add_task("writing prompts", total=n, info="") if progress is not None else None
+    state = state if state is not None else {}
+    state.setdefault("batches", 0)
+    kept: list[str] = state.setdefault("prompts", [])
+    seen = {_norm(t) for t in exclude} | {_norm(t) for t in kept}
+    task = progress.add_task("writing prompts", total=n, completed=min(n, len(kept)), info="") if progress is not None else None
     max_batches = max(8, 4 * math.ceil(n / batch_size))
-    for b in range(max_batches):
+    for b in range(state["batches"], max_batches):
+        if len(kept) >= n:
+            break
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed * 1_000_003 + b)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=temperature,
@@ -261,33 +269,41 @@ def self_prompts(model: Any, tokenizer: Any, n: int, *, seed: int = 0, temperatu
                 continue
             seen.add(key)
             kept.append(" ".join(text.splitlines()).strip())  # one prompt a line
-            if len(kept) == n:
-                break
+        state["batches"] = b + 1
         if progress is not None:
-            progress.update(task, completed=len(kept), info=f"{len(kept)} of {(b + 1) * batch_size} kept")
-        if len(kept) == n:
-            return kept
+            progress.update(task, completed=min(n, len(kept)), info=f"{len(kept)} of {(b + 1) * batch_size} kept")
+    if len(kept) >= n:
+        return kept[:n]
     raise ValueError(f"the model wrote only {len(kept)} usable prompts of {n} in {max_batches} batches; "
                      "ask for fewer or change the temperature")
 
 
 def _self_prompts_cached(model: Any, tokenizer: Any, cfg: TrainConfig, cache: Path, model_name: str, exclude: list[str],
                          progress: Any = None) -> list[str]:
-    """:func:`self_prompts` for ``cfg``, saved in ``cache`` (a rerun reads the file)."""
-    h = hashlib.sha256(json.dumps([model_name, cfg.self_prompts, cfg.self_prompt_temperature, cfg.seed, cfg.system,
+    """:func:`self_prompts` for ``cfg``, its state saved in ``cache`` after every batch (a
+    rerun, or a run asking for more, continues from the file)."""
+    h = hashlib.sha256(json.dumps([model_name, cfg.self_prompt_temperature, cfg.seed, cfg.system, cfg.gen_batch_size,
                                    str(_data_dtype(cfg)), sorted(exclude)]).encode()).hexdigest()[:16]
-    file = cache / f"self_prompts_{h}.txt"
+    file = cache / f"self_prompts_{h}.json"
+    state: dict[str, Any] = {}
     if file.is_file():
-        lines = file.read_text(encoding="utf-8").splitlines()
-        if len(lines) == cfg.self_prompts:
-            return lines
-    prompts = self_prompts(model, tokenizer, cfg.self_prompts, seed=cfg.seed, temperature=cfg.self_prompt_temperature,
-                           batch_size=cfg.gen_batch_size, system=cfg.system, exclude=exclude, progress=progress)
+        try:
+            state = json.loads(file.read_text(encoding="utf-8"))
+        except ValueError:  # a torn file: start again
+            state = {}
     cache.mkdir(parents=True, exist_ok=True)
-    tmp = file.with_name(file.name + ".tmp")
-    tmp.write_text("\n".join(prompts) + "\n", encoding="utf-8")
-    os.replace(tmp, file)
-    return prompts
+
+    class _Saving(dict):
+        def __setitem__(self, key, value):
+            super().__setitem__(key, value)
+            if key == "batches":
+                tmp = file.with_name(file.name + ".tmp")
+                tmp.write_text(json.dumps(dict(self), indent=0), encoding="utf-8")
+                os.replace(tmp, file)
+
+    saving = _Saving(state)
+    return self_prompts(model, tokenizer, cfg.self_prompts, seed=cfg.seed, temperature=cfg.self_prompt_temperature,
+                        batch_size=cfg.gen_batch_size, system=cfg.system, exclude=exclude, progress=progress, state=saving)
 
 
 def _prompts_hash(prompts: list[str], cfg: TrainConfig, model_name: str) -> str:

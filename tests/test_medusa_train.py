@@ -205,6 +205,11 @@ def test_self_written_prompts_are_seeded_distinct_and_leave_the_global_rng_alone
     # what is excluded (e.g. the prompts the heads are measured on) is never returned
     again = self_prompts(model, tok, 6, seed=1, batch_size=16, max_tokens=32, exclude=[first[0].upper()])
     assert first[0] not in again and again[:5] == first[1:6]
+    # asking for more later continues from the saved state: the same as asking for all at once
+    state = {}
+    assert self_prompts(model, tok, 3, seed=1, batch_size=16, max_tokens=32, state=state) == first[:3]
+    assert state["batches"] >= 1 and state["prompts"][:3] == first[:3]
+    assert self_prompts(model, tok, 6, seed=1, batch_size=16, max_tokens=32, state=state) == first
 
 
 def test_self_written_prompts_fail_clearly_when_the_model_never_closes_a_usable_turn():
@@ -218,7 +223,7 @@ def test_train_heads_adds_and_caches_self_written_prompts(tmp_path):
     cfg = _cfg(tmp_path, self_prompts=4, epochs=1)
     heads = train_heads(cfg, model, tok, prompts=PROMPTS, progress=False)
     assert heads.info["training"]["sequences"] == len(PROMPTS) + 4
-    written = list((tmp_path / "data").glob("self_prompts_*.txt"))
-    assert len(written) == 1 and len(written[0].read_text().splitlines()) == 4
+    written = list((tmp_path / "data").glob("self_prompts_*.json"))
+    assert len(written) == 1 and len(json.loads(written[0].read_text())["prompts"]) >= 4
     again = train_heads(cfg, model, tok, prompts=PROMPTS, progress=False)
     assert again.info["training"]["cached_chunks"] == 4 and again.info["training"]["generation_s"] == 0
