@@ -29,12 +29,11 @@ each resumable:
 The prompts are disjoint from the benchmark's chat prompts (``accel/bench/prompts.py``) and
 from ``speculative/data/eval_prompts.txt``; nothing is downloaded. The shipped heads
 (3 sequential heads) come from ``accel train-heads --model default --out DIR --distill
---save-dtype bfloat16 --threads 2`` on the 2-core CPU: 296K training positions from 2272
-prompts, generated at 161-177 tok/s (~30 min from scratch; the per-chunk data cache let
-this run reuse chunks of earlier runs), then 15 min training 6 epochs. Held-out top-1
-accuracies: head 1 0.54, head 2 0.46, head 3 0.44 (sequential heads: given a right path
-above them), on held-out sequences of the training prompts' kind. On the benchmark's chat
-prompts, which are of another kind, head 1 is right 40% of the time
+--self-prompts 1500 --save-dtype bfloat16 --threads 2`` on the 2-core CPU: 516K training
+positions from the 2272 shipped prompts and 1500 the model wrote itself (writing them took
+17 min, the answers ~30 min at 160-250 tok/s), then 32 min training 6 epochs. Held-out
+top-1 accuracies: head 1 0.52, head 2 0.43, head 3 0.41 (sequential heads: given a right
+path above them). On the benchmark's chat prompts head 1 is right 42% of the time
 (``python benchmarks/medusa_check.py accuracy``).
 """
 
