@@ -33,7 +33,7 @@ from accel.models import chat_ids, load_default  # noqa: E402
 from snapkv import SnapKV  # noqa: E402
 from speculative import Medusa  # noqa: E402
 from speculative.medusa import load_heads  # noqa: E402
-from speculative.train import EVAL_PROMPTS, load_prompts  # noqa: E402
+from speculative.train import held_out_prompts  # noqa: E402
 
 
 def _medusa(args) -> Medusa:
@@ -101,17 +101,6 @@ def verify_cost(model, args) -> None:
 # --------------------------------------------------------------------------- chat prompts
 
 
-def _chat_prompts() -> list[str]:
-    prompts = load_prompts(EVAL_PROMPTS)
-    try:
-        from accel.bench.prompts import CHAT_PROMPTS
-
-        prompts = list(CHAT_PROMPTS) + prompts
-    except ImportError:
-        pass
-    return prompts
-
-
 @torch.no_grad()
 def accuracy(model, tok, args) -> None:
     """Per-head accuracies and the acceptance a tree would get, on the chat prompts' greedy
@@ -122,7 +111,7 @@ def accuracy(model, tok, args) -> None:
     from speculative.train import Sequences, evaluate_heads, generate_batch, make_examples, simulate_acceptance
 
     heads = MedusaHeads.from_pretrained(args.heads).eval()
-    prompts = _chat_prompts()[: args.prompts]
+    prompts = held_out_prompts()[: args.prompts]
     toks, states = [], []
     for lo in range(0, len(prompts), 10):
         t, h = generate_batch(model, tok, prompts[lo:lo + 10], args.new, None, default_eos(model, tok))
@@ -150,7 +139,7 @@ def _pair(model, tok, ids, strategies, new) -> tuple[accel.GenerateResult, accel
 
 def chat(model, tok, args) -> None:
     medusa = _medusa(args)
-    prompts = _chat_prompts()[: args.prompts]
+    prompts = held_out_prompts()[: args.prompts]
     base_tok = base_s = med_tok = med_s = 0.0
     steps = emitted = 0
     mismatches = 0

@@ -97,10 +97,11 @@ DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "heads" / "default"
 #: Draft nodes per verify step unless configured (the engine's own budget caps it too). On the
 #: 2-core CPU with prepacked weights (``accel.prepack``), a verify pass over ~200 cached tokens
 #: of 3-6 rows (2-5 drafts) costs no more than a single-token step, 7-9 rows 1.1-1.2x and
-#: 16 rows 1.44x (``python benchmarks/verify_cost.py --contexts 200``). With the shipped
-#: sequential heads, on the 20 benchmark chat prompts (``python benchmarks/medusa_check.py
+#: 16 rows 1.44x (``python benchmarks/verify_cost.py --contexts 200``). With the sequential
+#: heads of commit fe0cf5b, on the 20 benchmark chat prompts (``python benchmarks/medusa_check.py
 #: chat --prompts 20 --max-nodes N``, one run per N): 5 nodes 1.30x plain decoding (1.69
-#: tokens per step), 8 nodes 1.47x (1.81), 12 1.38x (1.87), 16 1.29x (1.92).
+#: tokens per step), 8 nodes 1.47x (1.81), 12 1.38x (1.87), 16 1.29x (1.92). The shipped heads
+#: on all 40 prompts (``--max-nodes N``): 8 nodes 1.52x (1.93), 12 1.38x (2.01).
 DEFAULT_MAX_NODES = 8
 
 
