@@ -13,6 +13,7 @@ import functools
 import inspect
 import sys
 import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -337,12 +338,27 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     kv_len = key.shape[2]
     q = query.reshape(b, hkv, groups * q_len, d)
     if mask.shape[1] == 1:
-        mask = mask.expand(b, 1, q_len, kv_len).repeat(1, 1, groups, 1)
+        mask = _grouped_mask(mask, b, q_len, kv_len, groups)
     else:  # per query head (per-layer masks of padded caches): [B, H_q, T, K]
         mask = mask.expand(b, hq, q_len, kv_len).reshape(b, hkv, groups * q_len, kv_len)
     out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     out = out.reshape(b, hq, q_len, d).transpose(1, 2).contiguous()
     return out, None
+
+
+_mask_memo = threading.local()
+
+
+def _grouped_mask(mask: torch.Tensor, b: int, q_len: int, kv_len: int, groups: int) -> torch.Tensor:
+    """``mask`` [B or 1, 1, T, K] with its rows repeated for ``groups`` query heads,
+    [B, 1, G * T, K]. Every layer of a forward gets the same mask object, so the copy is made
+    once per forward (remembered per thread, for as long as that mask lives)."""
+    memo = getattr(_mask_memo, "last", None)
+    if memo is not None and memo[0]() is mask and memo[1] == (b, groups):
+        return memo[2]
+    grouped = mask.expand(b, 1, q_len, kv_len).repeat(1, 1, groups, 1)
+    _mask_memo.last = (weakref.ref(mask), (b, groups), grouped)
+    return grouped
 
 
 @contextmanager

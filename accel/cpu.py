@@ -38,24 +38,30 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _ROWS_HINT)
 
 
-_available: bool | None = None
+_PACKABLE = (torch.float32, torch.bfloat16)
+_available: dict[torch.dtype, bool] = {}
 
 
-def prepack_available() -> bool:
-    """Whether this torch build can pack linear weights for oneDNN (checked once, on a
-    4 x 8 example, against ``F.linear``)."""
-    global _available
-    if _available is None:
-        try:
-            w = torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32
-            x = torch.ones(3, 8)
-            _available = bool(
-                torch.backends.mkldnn.is_available()
-                and torch.allclose(_packed_linear(x, _pack(w), None), nn.functional.linear(x, w), atol=1e-5)
-            )
-        except (AttributeError, RuntimeError):
-            _available = False
-    return _available
+def prepack_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build can pack ``dtype`` linear weights for oneDNN (float32, or
+    bfloat16 where the CPU has bf16 instructions; checked once per dtype, on a 4 x 8
+    example, against ``F.linear``)."""
+    if dtype not in _available:
+        ok = False
+        if dtype in _PACKABLE:
+            try:
+                w = (torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32).to(dtype)
+                x = torch.ones(3, 8, dtype=dtype)
+                ok = bool(
+                    torch.backends.mkldnn.is_available()
+                    and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+                    and torch.allclose(_packed_linear(x, _pack(w), None).float(), nn.functional.linear(x, w).float(),
+                                       atol=1e-2 if dtype != torch.float32 else 1e-5)
+                )
+            except (AttributeError, RuntimeError):
+                ok = False
+        _available[dtype] = ok
+    return _available[dtype]
 
 
 class PackedLinear(nn.Module):
@@ -63,7 +69,8 @@ class PackedLinear(nn.Module):
 
     ``weight`` and ``bias`` are the original parameters; the packed copy is a plain
     attribute (not a buffer), so ``.to()``, ``state_dict`` and ``parameters()`` see only the
-    originals.
+    originals. A float32 or (on CPUs with bf16 instructions) bfloat16 CPU weight is packed;
+    any other runs as ``F.linear``.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -72,8 +79,25 @@ class PackedLinear(nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self._repack()
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "PackedLinear":
+        """A layer computing ``x @ weight.T + bias`` from plain tensors (weight [out, in],
+        bias [out] or None, both kept by reference), for inference-only matrices such as
+        draft heads' projections."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = int(weight.shape[1]), int(weight.shape[0])
+        layer.weight, layer.bias = weight, bias
+        layer._repack()
+        return layer
+
+    def _repack(self) -> None:
+        w = self.weight
+        packable = w.device.type == "cpu" and w.dim() == 2 and prepack_available(w.dtype)
         self._packed_from = self._weight_key()
-        self._packed = _pack(self.weight)
+        self._packed = _pack(w) if packable else None
 
     def __getstate__(self) -> dict:
         # the packed copy is an opaque oneDNN tensor that cannot be copied or pickled: drop it
@@ -82,8 +106,7 @@ class PackedLinear(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
-        self._packed_from = self._weight_key()
-        self._packed = _pack(self.weight)
+        self._repack()
 
     def _weight_key(self) -> tuple:
         w = self.weight
@@ -93,8 +116,10 @@ class PackedLinear(nn.Module):
     def _usable(self, x: torch.Tensor) -> bool:
         w = self.weight
         return (
-            x.device.type == "cpu"
-            and x.dtype == torch.float32
+            self._packed is not None
+            and x.device.type == "cpu"
+            and x.dtype == w.dtype
+            and (self.bias is None or self.bias.dtype == w.dtype)
             and self._weight_key() == self._packed_from
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         )
@@ -106,7 +131,8 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " + (
+            "packed" if self._packed is not None else "not packed")
 
 
 def prepack(model: nn.Module) -> nn.Module:

@@ -91,3 +91,29 @@ def test_a_prepacked_model_can_be_deep_copied_and_pickled():
         assert torch.equal(loaded(ids).logits, ref)
         half = half(ids).logits
     assert half.dtype == torch.bfloat16 and half.shape == ref.shape
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_layer_from_plain_tensors_matches_f_linear(dtype):
+    if not prepack_available(dtype):
+        pytest.skip(f"this CPU or build cannot pack {dtype} weights")
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 16, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    layer = PackedLinear.from_weight(w, b)
+    assert layer._packed is not None and "packed" in repr(layer)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for rows in (1, 3, 13):
+        x = torch.randn(2, rows, 16, generator=g).to(dtype)
+        out = layer(x)
+        assert out.dtype == dtype and out.shape == (2, rows, 40)
+        ref = nn.functional.linear(x.float(), w.float(), b.float())
+        assert torch.allclose(out.float(), ref, atol=tol, rtol=tol)
+
+
+def test_packed_layer_from_unpackable_tensors_runs_f_linear():
+    w = torch.randn(8, 4, dtype=torch.float16)
+    layer = PackedLinear.from_weight(w)
+    assert layer._packed is None and "not packed" in repr(layer)
+    x = torch.randn(3, 4, dtype=torch.float16)
+    assert torch.equal(layer(x), nn.functional.linear(x, w))

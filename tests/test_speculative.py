@@ -161,6 +161,20 @@ def test_packed_gqa_attention_matches_sdpa_and_is_restored():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_grouped_mask_is_built_once_per_mask_object():
+    from accel import adapter
+
+    mask = torch.randn(1, 1, 3, 7)
+    grouped = adapter._grouped_mask(mask, 1, 3, 7, 2)
+    assert torch.equal(grouped, torch.cat([mask, mask], dim=2))
+    assert adapter._grouped_mask(mask, 1, 3, 7, 2) is grouped  # the next layer of the same forward
+    other = mask.clone()  # the next verify step's mask: rebuilt, not reused
+    again = adapter._grouped_mask(other, 1, 3, 7, 2)
+    assert again is not grouped and torch.equal(again, grouped)
+    assert adapter._grouped_mask(other, 1, 3, 7, 3).shape == (1, 1, 9, 7)
+    assert adapter._grouped_mask(other, 2, 3, 7, 3).shape == (2, 1, 9, 7)
+
+
 def test_find_continuations_prefers_long_and_recent_matches():
     from speculative.prompt_lookup import find_continuations
 
