@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from pydantic import Field, field_serializer, field_validator
 from torch import nn
 
+from accel.cpu import PackedLinear
 from accel.strategy import DraftContext, DraftProposal, Drafter, register
 
 from .medusa_trees import (
@@ -301,25 +302,27 @@ class MedusaHeads(nn.Module):
         :class:`PackedPathHeads`)."""
         dtype = dtype or torch.float32
         L, K, H = self.num_layers, self.num_heads, self.hidden_size
-        first = 1 if self.sequential else 0
         with torch.no_grad():
-            if L > first:
-                weight = torch.stack([torch.stack([h.blocks[l].linear.weight for h in self.heads]) for l in range(first, L)])
-                bias = torch.stack([torch.stack([h.blocks[l].linear.bias for h in self.heads]) for l in range(first, L)])
-            else:
-                weight, bias = torch.empty(0, K, H, H), torch.empty(0, K, H)
             subset = self.vocab_subset.to(device) if self.vocab_subset is not None else None
             out = None
             if self.own_lm_head:
                 out = torch.stack([h.lm_head.weight if subset is None else h.lm_head.weight[self.vocab_subset] for h in self.heads])
                 out = out.to(device=device, dtype=head_dtype or dtype).contiguous()
             if self.sequential:
+                def packed(linear: nn.Linear, to: torch.dtype) -> PackedLinear:
+                    return PackedLinear.from_weight(linear.weight.to(device=device, dtype=to).contiguous(),
+                                                    linear.bias.to(device=device, dtype=to).contiguous())
+
                 return PackedPathHeads(
-                    tuple(h.blocks[0].linear.weight.to(device=device, dtype=dtype).contiguous() for h in self.heads),
-                    torch.stack([h.blocks[0].linear.bias for h in self.heads]).to(device=device, dtype=dtype),
-                    weight.to(device=device, dtype=dtype).contiguous(), bias.to(device=device, dtype=dtype).contiguous(),
-                    out, subset,
+                    tuple(tuple(packed(b.linear, dtype) for b in h.blocks) for h in self.heads),
+                    tuple(PackedLinear.from_weight(o) for o in out) if out is not None else None,
+                    subset,
                 )
+            if L:
+                weight = torch.stack([torch.stack([h.blocks[l].linear.weight for h in self.heads]) for l in range(L)])
+                bias = torch.stack([torch.stack([h.blocks[l].linear.bias for h in self.heads]) for l in range(L)])
+            else:
+                weight, bias = torch.empty(0, K, H, H), torch.empty(0, K, H)
             return PackedHeads(weight.to(device=device, dtype=dtype).contiguous(), bias.to(device=device, dtype=dtype).contiguous(),
                                out, subset)
 
@@ -555,63 +558,74 @@ class PackedHeads:
             x = x + F.silu(y)
         return x
 
-    def top_tokens(self, h: torch.Tensor, k: int, num_heads: int, lm_weight: torch.Tensor | None, lm_bias: torch.Tensor | None) -> torch.Tensor:
-        """Each head's ``k`` most likely tokens, [K, k] (rank 0 first), for hidden state [H].
+    @property
+    def device(self) -> torch.device:
+        return self.weight.device
 
-        lm_weight: [V', H] the model's output rows for ``subset`` (all rows without one);
-        lm_bias: [V'] or None.
+    def top_tokens(self, h: torch.Tensor, k: int, num_heads: int, lm: PackedLinear | None,
+                   log_probs: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Each head's ``k`` most likely tokens, [K, k] (rank 0 first), for hidden state [H];
+        with ``log_probs`` also their log-probabilities under the head, [K, k] float32.
+
+        lm: the model's output layer restricted to ``subset`` (all rows without one), in the
+        head dtype; unused when the heads have their own (``lm_heads``).
         """
         x = self.hidden(h, num_heads)
         if self.lm_heads is not None:
             logits = torch.bmm(self.lm_heads, x.to(self.lm_heads.dtype).unsqueeze(-1)).squeeze(-1)
         else:
-            logits = _shared_logits(x, lm_weight, lm_bias)
-        top = torch.topk(logits, k, dim=-1, sorted=True).indices
-        return self.subset[top] if self.subset is not None else top
+            logits = lm(x.to(lm.weight.dtype))
+        return _top(logits, k, self.subset, log_probs)
 
 
 @dataclass(frozen=True)
 class PackedPathHeads:
-    """Sequential heads' weights, for drafting a tree one level at a time.
+    """Sequential heads' weights, for drafting a tree one level at a time; every matrix a
+    :class:`~accel.cpu.PackedLinear` (oneDNN-packed on CPUs, so a few rows cost little).
 
-    first: K tensors, head k's path block weight [H, (k + 2) H] (0-based k); first_bias:
-        [K, H]; weight: [L - 1, K, H, H] and bias: [L - 1, K, H], the further residual
-        blocks; lm_heads and subset as in :class:`PackedHeads`.
+    blocks: per head, its L residual blocks' linear layers, the first the path block of head
+        k (0-based) with weight [H, (k + 2) H], the others [H, H]; lm_heads: per head its own
+        output layer [V', H] (in the head dtype), or None to use the model's; subset as in
+        :class:`PackedHeads`.
     """
 
-    first: tuple[torch.Tensor, ...]
-    first_bias: torch.Tensor
-    weight: torch.Tensor
-    bias: torch.Tensor
-    lm_heads: torch.Tensor | None
+    blocks: tuple[tuple[PackedLinear, ...], ...]
+    lm_heads: tuple[PackedLinear, ...] | None
     subset: torch.Tensor | None = None
 
-    def top_tokens(self, head: int, h: torch.Tensor, path_emb: torch.Tensor, k: int, lm_weight: torch.Tensor | None,
-                   lm_bias: torch.Tensor | None) -> torch.Tensor:
-        """Head ``head``'s ``k`` most likely tokens after each of P paths, [P, k] (rank 0 first).
+    @property
+    def device(self) -> torch.device:
+        return self.blocks[0][0].weight.device
+
+    def top_tokens(self, head: int, h: torch.Tensor, path_emb: torch.Tensor, k: int, lm: PackedLinear | None,
+                   log_probs: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Head ``head``'s ``k`` most likely tokens after each of P paths, [P, k] (rank 0 first);
+        with ``log_probs`` also their log-probabilities, [P, k] float32.
 
         h: [H] the verifier's hidden state; path_emb: [P, head + 1, H] the input embeddings of
-        each path's tokens, the root first. lm_weight, lm_bias as in :meth:`PackedHeads.top_tokens`.
+        each path's tokens, the root first. lm as in :meth:`PackedHeads.top_tokens`.
         """
-        dtype = self.first_bias.dtype
+        first, *rest = self.blocks[head]
+        dtype = first.weight.dtype
         rows = path_emb.shape[0]
         x = h.to(dtype).reshape(1, -1).expand(rows, -1)
         inner = torch.cat([x, path_emb.to(dtype).reshape(rows, -1)], dim=-1)
-        x = x + F.silu(F.linear(inner, self.first[head], self.first_bias[head]))
-        for layer in range(self.weight.shape[0]):
-            x = x + F.silu(F.linear(x, self.weight[layer, head], self.bias[layer, head]))
-        if self.lm_heads is not None:
-            logits = F.linear(x.to(self.lm_heads.dtype), self.lm_heads[head])
-        else:
-            logits = _shared_logits(x, lm_weight, lm_bias)
-        top = torch.topk(logits, k, dim=-1, sorted=True).indices
-        return self.subset[top] if self.subset is not None else top
+        x = x + F.silu(first(inner))
+        for block in rest:
+            x = x + F.silu(block(x))
+        out = self.lm_heads[head] if self.lm_heads is not None else lm
+        return _top(out(x.to(out.weight.dtype)), k, self.subset, log_probs)
 
 
-def _shared_logits(x: torch.Tensor, lm_weight: torch.Tensor, lm_bias: torch.Tensor | None) -> torch.Tensor:
-    """Scores of the model's output rows ``lm_weight`` [V', H] for head states x [..., H]."""
-    logits = x.to(lm_weight.dtype) @ lm_weight.T
-    return logits + lm_bias.to(logits.dtype) if lm_bias is not None else logits
+def _top(logits: torch.Tensor, k: int, subset: torch.Tensor | None,
+         log_probs: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best rows of ``logits`` [..., V'] as token ids (through ``subset``), rank 0
+    first; with ``log_probs`` also their log-softmax values (float32)."""
+    values, idx = torch.topk(logits, k, dim=-1, sorted=True)
+    tokens = subset[idx] if subset is not None else idx
+    if not log_probs:
+        return tokens
+    return tokens, values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
 
 
 @dataclass(frozen=True)
@@ -629,9 +643,9 @@ class _Loaded:
 # Loaded heads by (resolved folder, weights mtime, dtype, device, head dtype): strategies
 # hold configuration only, so the weights live here and every request shares them.
 _HEADS_CACHE: dict[tuple[Any, ...], _Loaded] = {}
-# The model's output weight converted to the head dtype, by id(weight), with a weak
-# reference and the tensor's version counter to notice a replaced or modified weight.
-_LM_CACHE: dict[tuple[Any, ...], tuple[weakref.ref, int, torch.dtype, torch.Tensor]] = {}
+# The model's output layer converted to the head dtype and packed, by id(weight), with a
+# weak reference and the tensor's version counter to notice a replaced or modified weight.
+_LM_CACHE: dict[tuple[Any, ...], tuple[weakref.ref, int, PackedLinear]] = {}
 _LOCK = threading.Lock()
 
 
@@ -661,22 +675,27 @@ def load_heads(heads: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     return hit
 
 
-def _lm_weight(weight: torch.Tensor, dtype: torch.dtype, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """``weight`` ([V, H]; only ``rows`` if given) in ``dtype``: the tensor itself, or a
-    cached converted copy. ``rows`` must be a long-lived tensor (the cached heads' subset)."""
-    if weight.dtype == dtype and rows is None:
-        return weight
+def _lm_layer(out: nn.Module, dtype: torch.dtype, rows: torch.Tensor | None = None) -> PackedLinear:
+    """The model's output layer ``out`` (weight [V, H], optional bias; only ``rows`` if
+    given) in ``dtype``, as a :class:`~accel.cpu.PackedLinear`: ``out`` itself when it
+    already is one over all rows in that dtype, else a packed copy cached for the weight's
+    life. ``rows`` must be a long-lived tensor (the cached heads' subset)."""
+    weight, bias = out.weight, getattr(out, "bias", None)
+    if rows is None and weight.dtype == dtype and isinstance(out, PackedLinear):
+        return out
     key = (id(weight), dtype, id(rows) if rows is not None else None)
     with _LOCK:
         hit = _LM_CACHE.get(key)
         if hit is not None and hit[0]() is weight and hit[1] == weight._version:
-            return hit[3]
-        copy = weight.detach()
-        copy = (copy[rows] if rows is not None else copy).to(dtype).contiguous()
+            return hit[2]
+        w = weight.detach()
+        w = (w[rows] if rows is not None else w).to(dtype).contiguous()
+        b = None if bias is None else (bias.detach()[rows] if rows is not None else bias.detach()).to(dtype).contiguous()
         for k in [k for k, v in _LM_CACHE.items() if v[0]() is None]:
             del _LM_CACHE[k]
-        _LM_CACHE[key] = (weakref.ref(weight), weight._version, dtype, copy)
-        return copy
+        layer = PackedLinear.from_weight(w, b)
+        _LM_CACHE[key] = (weakref.ref(weight), weight._version, layer)
+        return layer
 
 
 def _bf16_fast_on_cpu() -> bool:
@@ -695,8 +714,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 @dataclass
 class _State:
     loaded: _Loaded
-    lm_weight: torch.Tensor | None  # [V, H] the model's output weight in the head dtype
-    lm_bias: torch.Tensor | None
+    lm: PackedLinear | None  # the model's output layer (subset rows) in the head dtype
     paths: tuple[TreePath, ...]
     embed: torch.Tensor | None = None  # [V, H] the model's input embeddings (sequential heads)
     arrays: dict[int, TreeArrays] = field(default_factory=dict)  # by node count
@@ -707,10 +725,10 @@ class _State:
         arrays = self.arrays.get(n)
         if arrays is None:
             paths = self.paths[:n]
-            arrays = self.arrays[n] = tree_arrays(paths, device=self.loaded.packed.weight.device)
+            arrays = self.arrays[n] = tree_arrays(paths, device=self.loaded.packed.device)
             self.topk[n] = max(p[-1] for p in paths) + 1
             if self.loaded.sequential:
-                self.levels[n] = tree_levels(paths, device=self.loaded.packed.weight.device)
+                self.levels[n] = tree_levels(paths, device=self.loaded.packed.device)
         return arrays, self.topk[n]
 
 
@@ -731,8 +749,9 @@ class Medusa(Drafter):
     heads: str = Field("default", description="folder of trained heads (ours or the official format), or 'default'")
     tree: str | tuple[tuple[int, ...], ...] = Field(
         "auto",
-        description="'auto' (built for max_nodes from the heads' measured accuracies), a named tree "
-        f"({', '.join(TREES)}), or explicit index paths like [[0], [1], [0, 0]]",
+        description="'auto' (built for max_nodes from the heads' measured accuracies), 'dynamic' (built anew "
+        f"each step from the heads' probabilities), a named tree ({', '.join(TREES)}), or explicit index paths "
+        "like [[0], [1], [0, 0]]",
     )
     max_nodes: int = Field(DEFAULT_MAX_NODES, ge=1, le=1024, description="draft nodes per verify step at most")
     head_dtype: Literal["auto", "model", "float32", "bfloat16", "float16"] = Field(
@@ -745,8 +764,8 @@ class Medusa(Drafter):
     @classmethod
     def _check_tree(cls, value: Any) -> Any:
         if isinstance(value, str):
-            if value != "auto" and value not in TREES:
-                raise ValueError(f"unknown tree {value!r}; use 'auto', one of {sorted(TREES)} or a list of index paths")
+            if value not in ("auto", "dynamic") and value not in TREES:
+                raise ValueError(f"unknown tree {value!r}; use 'auto', 'dynamic', one of {sorted(TREES)} or a list of index paths")
             return value
         if isinstance(value, (list, tuple)):
             if not value:
@@ -754,7 +773,7 @@ class Medusa(Drafter):
             if not all(isinstance(p, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in p) for p in value):
                 raise ValueError("an explicit tree is a list of index paths, each a list of non-negative ints")
             return check_paths(value, what="tree")
-        raise ValueError(f"tree must be 'auto', a tree name or a list of index paths, got {type(value).__name__}")
+        raise ValueError(f"tree must be 'auto', 'dynamic', a tree name or a list of index paths, got {type(value).__name__}")
 
     @field_serializer("tree")
     def _dump_tree(self, value: Any) -> Any:
@@ -770,8 +789,11 @@ class Medusa(Drafter):
     # ------------------------------------------------------------------ per request
 
     def paths_for(self, loaded: _Loaded) -> tuple[TreePath, ...]:
-        """The tree's index paths for these heads, at most ``max_nodes`` of them."""
+        """The tree's index paths for these heads, at most ``max_nodes`` of them (none for the
+        dynamic tree, which has no fixed shape)."""
         depth = loaded.num_heads
+        if self.tree == "dynamic":
+            return ()
         if self.tree == "auto":
             if loaded.topk_accuracy:
                 return build_tree(rank_accuracies(loaded.topk_accuracy), self.max_nodes)
@@ -814,18 +836,15 @@ class Medusa(Drafter):
             if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (vocab, hidden):
                 raise ValueError(f"the sequential Medusa heads in '{loaded.source}' read the model's input embeddings, "
                                  f"but {type(model).__name__} has no [{vocab}, {hidden}] embedding weight")
-        lm_weight = lm_bias = None
-        if not loaded.own_lm_head:
-            subset = loaded.packed.subset
-            lm_weight = _lm_weight(weight, head_dtype, subset)
-            lm_bias = getattr(out, "bias", None)
-            if lm_bias is not None and subset is not None:
-                lm_bias = lm_bias[subset]
-        return _State(loaded, lm_weight, lm_bias, self.paths_for(loaded), embed)
+        lm = None if loaded.own_lm_head else _lm_layer(out, head_dtype, loaded.packed.subset)
+        return _State(loaded, lm, self.paths_for(loaded), embed)
 
     def propose(self, state: _State, ctx: DraftContext) -> DraftProposal | None:
         if ctx.hidden is None:
             raise ValueError("Medusa needs the verifier's hidden state (DraftContext.hidden); the engine did not pass it")
+        if self.tree == "dynamic":
+            n = min(self.max_nodes, ctx.max_tokens)
+            return _dynamic_tree(state, ctx, n) if n > 0 else None
         n = min(len(state.paths), ctx.max_tokens)
         if n <= 0:
             return None
@@ -833,13 +852,64 @@ class Medusa(Drafter):
         loaded = state.loaded
         h = ctx.hidden.reshape(-1)
         if not loaded.sequential:
-            top = loaded.packed.top_tokens(h, k, loaded.num_heads, state.lm_weight, state.lm_bias)
+            top = loaded.packed.top_tokens(h, k, loaded.num_heads, state.lm)
             return DraftProposal(tokens=arrays.tokens(top), parents=arrays.parents)
         # level by level: each node's head reads the tokens on the path above it
         tokens = torch.empty(n + 1, dtype=torch.long, device=h.device)
         tokens[0] = ctx.tokens[-1]  # the pending root
         for level in state.levels[n]:
             path_emb = state.embed[tokens[level.ancestry]]  # [P, depth, H]
-            top = loaded.packed.top_tokens(level.head, h, path_emb, level.topk, state.lm_weight, state.lm_bias)
+            top = loaded.packed.top_tokens(level.head, h, path_emb, level.topk, state.lm)
             tokens[level.nodes] = top[level.row, level.rank]
         return DraftProposal(tokens=tokens[1:], parents=arrays.parents)
+
+
+#: The dynamic tree (``Medusa(tree="dynamic")``) expands, at each depth, the DYNAMIC_BEAM most
+#: probable nodes of the depth above, DYNAMIC_WIDTH children each (capped by the node budget).
+DYNAMIC_WIDTH = 8
+DYNAMIC_BEAM = 6
+
+
+def _dynamic_tree(state: _State, ctx: DraftContext, n: int) -> DraftProposal:
+    """A draft tree of ``n`` nodes chosen anew for this step, as EAGLE-2 does (Li et al.
+    2024, "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees").
+
+    A node's value is the heads' probability of its whole path (the product of each head's
+    probability of its token, given the path above it for sequential heads): an estimate of
+    the chance that the verifier accepts the node. Depth by depth, the most valuable nodes
+    are expanded, then the ``n`` most valuable nodes of all that were scored are verified.
+    Where the heads are sure the tree runs deep, where they are not it spreads wide; a
+    static tree spends the same shape on both. A value never grows down a path, so every
+    chosen node's parent is chosen too (ties keep the shallower node first).
+    """
+    loaded, packed = state.loaded, state.loaded.packed
+    h = ctx.hidden.reshape(-1)
+    device = h.device
+    width, beam = min(n, DYNAMIC_WIDTH), min(n, DYNAMIC_BEAM)
+    if not loaded.sequential:  # independent heads: one distribution per head, whatever the path
+        head_tok, head_lp = packed.top_tokens(h, width, loaded.num_heads, state.lm, log_probs=True)
+    paths = ctx.tokens[-1:].reshape(1, 1).to(device)  # [P, depth + 1] the paths expanded next, root first
+    values = torch.zeros(1, device=device)  # [P] their log values
+    ids = torch.zeros(1, dtype=torch.long, device=device)  # [P] their node ids (the root is 0)
+    tokens, logv, parents = [], [], []
+    count = 1
+    for head in range(loaded.num_heads):
+        if loaded.sequential:
+            tok, lp = packed.top_tokens(head, h, state.embed[paths], width, state.lm, log_probs=True)  # [P, w]
+        else:
+            tok, lp = head_tok[head].expand(paths.shape[0], -1), head_lp[head].expand(paths.shape[0], -1)
+        v = (values.unsqueeze(1) + lp).reshape(-1)
+        t = tok.reshape(-1)
+        tokens.append(t)
+        logv.append(v)
+        parents.append(ids.repeat_interleave(width))
+        new_ids = torch.arange(count, count + v.numel(), device=device)
+        count += v.numel()
+        if head + 1 < loaded.num_heads:
+            keep = torch.topk(v, min(beam, v.numel())).indices
+            paths = torch.cat([paths[keep // width], t[keep].unsqueeze(1)], dim=1)
+            values, ids = v[keep], new_ids[keep]
+    chosen = torch.sort(torch.cat(logv), descending=True, stable=True).indices[:n]  # candidate i is node id i + 1
+    position = torch.zeros(count, dtype=torch.long, device=device)
+    position[chosen + 1] = torch.arange(1, chosen.numel() + 1, device=device)
+    return DraftProposal(tokens=torch.cat(tokens)[chosen], parents=position[torch.cat(parents)[chosen]])

@@ -53,7 +53,7 @@ def _generate(model, ids, strategies, new=30):
 
 @pytest.mark.parametrize("sequential", [False, True])
 @pytest.mark.parametrize("compressed", [False, True])
-@pytest.mark.parametrize("tree", ["auto", "mc_sim_7b_63", "chain", ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))])
+@pytest.mark.parametrize("tree", ["auto", "dynamic", "mc_sim_7b_63", "chain", ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))])
 def test_greedy_output_is_unchanged_by_medusa(tmp_path, compressed, tree, sequential):
     model = make_tiny_model(seed=21)
     ids = _prompt(1, 48)
@@ -150,6 +150,63 @@ def test_sequential_heads_draft_each_node_from_its_own_path(tmp_path):
     others = [drafter.propose(state, DraftContext(tokens=torch.tensor([5, 6, r]), hidden=h, max_tokens=32)).tokens
               for r in range(8, 40)]
     assert any(not torch.equal(o, prop.tokens) for o in others)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_dynamic_tree_verifies_the_most_probable_paths(tmp_path, sequential):
+    model = make_tiny_model(seed=26)
+    heads = random_heads(seed=8, sequential=sequential, std=4.0)  # peaked: sure at some nodes, not at others
+    if sequential:
+        with torch.no_grad():  # make the path matter
+            for head in heads.heads:
+                head.blocks[0].linear.weight[:, HIDDEN:] *= 50
+    heads.save_pretrained(tmp_path)
+    n = 5  # within the beam and width, so the tree is the exact top n over every path
+    drafter = Medusa(heads=str(tmp_path), tree="dynamic", head_dtype="float32", max_nodes=n)
+    state = drafter.start(model, torch.tensor([5, 6, 7]))
+    h = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(2))
+    prop = drafter.propose(state, DraftContext(tokens=torch.tensor([5, 6, 7]), hidden=h, max_tokens=32))
+    assert len(prop) == n
+    parents = prop.parents.tolist()
+    assert max(parents) > 0 and parents.count(0) > 1  # deep where the heads are sure, wide where not
+    assert all(0 <= p <= i for i, p in enumerate(parents))  # topologically ordered
+    paths = []
+    for i, p in enumerate(parents):
+        paths.append((paths[p - 1] if p else ()) + (int(prop.tokens[i]),))
+
+    # brute force: the log-probability of every token path the heads can draft, 3 deep
+    emb, lm = model.get_input_embeddings().weight, model.get_output_embeddings()
+
+    def log_probs(path: tuple[int, ...]) -> torch.Tensor:
+        k = len(path)
+        pad = [7, *path] + [0] * (heads.num_heads - k - 1)
+        with torch.no_grad():
+            logits = heads(h, lm, path_emb=emb[torch.tensor(pad)] if sequential else None)[k]
+        return torch.log_softmax(logits.float(), dim=-1)
+
+    value: dict[tuple[int, ...], float] = {}
+    frontier = [((), 0.0)]
+    for _ in range(heads.num_heads):
+        nxt = []
+        for path, v in frontier:
+            lp = log_probs(path)
+            for t in lp.topk(n).indices.tolist():
+                value[path + (t,)] = v + float(lp[t])
+                nxt.append((path + (t,), value[path + (t,)]))
+        frontier = nxt
+    best = sorted(value, key=value.get, reverse=True)[:n]
+    assert sorted(paths) == sorted(best)
+    got = [value[p] for p in paths]
+    assert got == sorted(got, reverse=True)  # most probable first
+    # a budget below max_nodes keeps the best nodes
+    small = drafter.propose(state, DraftContext(tokens=torch.tensor([5, 6, 7]), hidden=h, max_tokens=2))
+    assert small.tokens.tolist() == prop.tokens.tolist()[:2]
+
+
+def test_dynamic_tree_is_a_valid_tree_value():
+    assert Medusa(tree="dynamic").tree == "dynamic"
+    with pytest.raises(ValueError, match="'dynamic'"):
+        Medusa(tree="dynamik")
 
 
 def test_propose_without_hidden_is_a_clear_error(tmp_path):
