@@ -20,6 +20,12 @@ first block is ``x + SiLU(W [h_t; e(root); e(d_1); ...; e(d_{k-1})] + b)``. A tr
 drafted level by level, each node from its own path, still without any cache: the path is
 at most K tokens. ``accel train-heads`` trains sequential heads unless ``--independent``.
 
+The tree a step verifies is, by default, **dynamic** (``tree="dynamic"``, as in EAGLE-2, Li
+et al. 2024): each step, the heads' probabilities of whole paths rank the candidates and the
+``max_nodes`` most probable are verified, so the tree runs deep where the heads are sure and
+wide where they are not. ``tree="auto"`` is the paper's static tree, grown once from the
+heads' measured per-rank accuracies; named and explicit trees are static too.
+
 Trained heads may carry a vocabulary subset (the tokens of their training data): the heads
 then score only those rows of the output layer, which makes drafting and training several
 times cheaper on a CPU; other tokens are never drafted (the verifier still emits them).
@@ -96,14 +102,15 @@ FORMAT_VERSION = 1
 DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "heads" / "default"
 
 #: Draft nodes per verify step unless configured (the engine's own budget caps it too). On the
-#: 2-core CPU with prepacked weights (``accel.prepack``), a verify pass over ~200 cached tokens
-#: of 3-6 rows (2-5 drafts) costs no more than a single-token step, 7-9 rows 1.1-1.2x and
-#: 16 rows 1.44x (``python benchmarks/verify_cost.py --contexts 200``). With the sequential
-#: heads of commit fe0cf5b, on the 20 benchmark chat prompts (``python benchmarks/medusa_check.py
-#: chat --prompts 20 --max-nodes N``, one run per N): 5 nodes 1.30x plain decoding (1.69
-#: tokens per step), 8 nodes 1.47x (1.81), 12 1.38x (1.87), 16 1.29x (1.92). The shipped heads
-#: on all 40 prompts (``--max-nodes N``): 8 nodes 1.52x (1.93), 12 1.38x (2.01).
-DEFAULT_MAX_NODES = 8
+#: 2-core CPU with prepacked weights (``accel.prepack``), each extra draft row costs ~1 ms of a
+#: ~44 ms plain step at chat lengths (``python benchmarks/verify_cost.py --contexts 200``), so
+#: a node must be accepted ~4% of the time to pay for itself. Chosen on 20 prompts the model
+#: wrote itself that the heads never saw (a development run, not the benchmark prompts): with
+#: the dynamic tree, 8 / 10 / 12 nodes gave 2.06 / 2.10 / 2.13 tokens per step at 1.66x /
+#: 1.63x / 1.52x plain decoding; 10 keeps most of the speed and a margin in tokens per step.
+#: On the benchmark's 40 held-out chat prompts (``python benchmarks/medusa_check.py chat``):
+#: 2.09 tokens per step, 1.71x.
+DEFAULT_MAX_NODES = 10
 
 
 # --------------------------------------------------------------------------- the heads
@@ -748,7 +755,7 @@ class Medusa(Drafter):
 
     heads: str = Field("default", description="folder of trained heads (ours or the official format), or 'default'")
     tree: str | tuple[tuple[int, ...], ...] = Field(
-        "auto",
+        "dynamic",
         description="'auto' (built for max_nodes from the heads' measured accuracies), 'dynamic' (built anew "
         f"each step from the heads' probabilities), a named tree ({', '.join(TREES)}), or explicit index paths "
         "like [[0], [1], [0, 0]]",

@@ -539,8 +539,9 @@ def test_shipped_default_heads_load_for_smollm2():
     assert acc is not None and len(acc) == heads.num_heads and all(len(r) == 10 for r in acc)
     assert sum(p.stat().st_size for p in DEFAULT_HEADS_DIR.iterdir()) < 8 * 2**20
     drafter = Medusa.from_pretrained("default")
-    assert drafter.heads == "default"
-    assert len(drafter.paths_for(load_heads("default"))) == drafter.max_nodes
+    assert drafter.heads == "default" and drafter.tree == "dynamic"
+    static = Medusa.from_pretrained("default", tree="auto")
+    assert len(static.paths_for(load_heads("default"))) == static.max_nodes
 
 
 @pytest.mark.real_model
