@@ -9,6 +9,8 @@ the cores, a forward pass can get 10x slower at random.
     python benchmarks/medusa_check.py chat                   # held-out chat prompts: accepted/step, tok/s ratio
     python benchmarks/medusa_check.py accuracy               # the heads' accuracies on those prompts' greedy text
     python benchmarks/medusa_check.py snapkv                 # 4K-token document: SnapKV x Medusa
+    python benchmarks/medusa_check.py sweep --configs auto:8 dynamic:8 dynamic:10 --prompt-set dev
+                                                             # settings side by side, on development prompts
     python benchmarks/medusa_check.py all --threads 1
 
 Options: --heads DIR (default: the shipped heads), --max-nodes N, --tree NAME, --new N.
@@ -33,7 +35,9 @@ from accel.models import chat_ids, load_default  # noqa: E402
 from snapkv import SnapKV  # noqa: E402
 from speculative import Medusa  # noqa: E402
 from speculative.medusa import load_heads  # noqa: E402
-from speculative.train import held_out_prompts  # noqa: E402
+from speculative.train import DATA_DIR, held_out_prompts, load_prompts  # noqa: E402
+
+DEV_PROMPTS = DATA_DIR / "dev_prompts.txt"  # for choosing settings; the chat prompts stay a test set
 
 
 def _medusa(args) -> Medusa:
@@ -165,6 +169,49 @@ def chat(model, tok, args) -> None:
           f"medusa {med_rate:.1f} tok/s, speed-up {med_rate / plain_rate:.2f}x | outputs differing: {mismatches}")
 
 
+def sweep(model, tok, args) -> None:
+    """Plain decoding and Medusa settings (``tree:max_nodes``), interleaved prompt by prompt
+    (the order rotates), on the development prompts or the held-out chat prompts: tokens per
+    step, decode speed against plain decoding, and drafting time per step."""
+    settings = {c: Medusa(heads=args.heads, tree=c.split(":")[0], max_nodes=int(c.split(":")[1]))
+                for c in args.configs}
+    prompts = (load_prompts(DEV_PROMPTS) if args.prompt_set == "dev" else held_out_prompts())[: args.prompts]
+    draft_s = {c: 0.0 for c in settings}
+    by_id = {id(m): c for c, m in settings.items()}
+    propose = Medusa.propose
+
+    def timed(self, state, ctx):
+        t = time.perf_counter()
+        out = propose(self, state, ctx)
+        draft_s[by_id[id(self)]] += time.perf_counter() - t
+        return out
+
+    names = ["plain", *settings]
+    totals = {c: [0, 0, 0.0] for c in names}  # tokens, steps, seconds
+    warm = chat_ids(tok, "Hello!")
+    for m in settings.values():
+        accel.generate(model, warm, strategies=[m], max_new_tokens=4, tokenizer=tok)
+    print(f"{len(prompts)} {args.prompt_set} prompts, {args.new} new tokens, heads {args.heads}")
+    Medusa.propose = timed
+    try:
+        for i, p in enumerate(prompts):
+            ids = chat_ids(tok, p)
+            for c in names[i % len(names):] + names[: i % len(names)]:
+                out = accel.generate(model, ids, strategies=[settings[c]] if c in settings else [],
+                                     max_new_tokens=args.new, tokenizer=tok)
+                totals[c][0] += out.stats.decode_tokens
+                totals[c][1] += out.stats.verify_steps
+                totals[c][2] += out.stats.decode_s
+    finally:
+        Medusa.propose = propose
+    base = totals["plain"][0] / totals["plain"][2]
+    print("setting          tokens/step  tok/s  x plain  ms/step  drafting ms/step")
+    for c in names:
+        t, steps, sec = totals[c]
+        draft = f"{1000 * draft_s[c] / steps:16.1f}" if c in settings else f"{'-':>16}"
+        print(f"{c:16s} {t / steps:11.2f}  {t / sec:5.1f}  {t / sec / base:6.2f}x  {1000 * sec / steps:7.1f}  {draft}")
+
+
 # --------------------------------------------------------------------------- SnapKV x Medusa
 
 
@@ -226,7 +273,7 @@ def snapkv(model, tok, args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=["verify-cost", "chat", "accuracy", "snapkv", "all"])
+    ap.add_argument("what", choices=["verify-cost", "chat", "accuracy", "snapkv", "sweep", "all"])
     ap.add_argument("--heads", default="default")
     ap.add_argument("--max-nodes", type=int, default=None)
     ap.add_argument("--tree", default=None)
@@ -237,6 +284,9 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024, help="SnapKV budget")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--configs", nargs="+", default=["auto:8", "dynamic:8", "dynamic:10", "dynamic:12"],
+                    help="sweep: Medusa settings as TREE:MAX_NODES")
+    ap.add_argument("--prompt-set", choices=["dev", "chat"], default="dev", help="sweep: which prompts")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -250,6 +300,8 @@ def main() -> None:
         accuracy(model, tok, args)
     if args.what in ("snapkv", "all"):
         snapkv(model, tok, args)
+    if args.what == "sweep":
+        sweep(model, tok, args)
 
 
 if __name__ == "__main__":

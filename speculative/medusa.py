@@ -102,14 +102,14 @@ FORMAT_VERSION = 1
 DEFAULT_HEADS_DIR = Path(__file__).resolve().parent / "heads" / "default"
 
 #: Draft nodes per verify step unless configured (the engine's own budget caps it too). On the
-#: 2-core CPU with prepacked weights (``accel.prepack``), each extra draft row costs ~1 ms of a
-#: ~44 ms plain step at chat lengths (``python benchmarks/verify_cost.py --contexts 200``), so
-#: a node must be accepted ~4% of the time to pay for itself. Chosen on 20 prompts the model
-#: wrote itself that the heads never saw (a development run, not the benchmark prompts): with
-#: the dynamic tree, 8 / 10 / 12 nodes gave 2.06 / 2.10 / 2.13 tokens per step at 1.66x /
-#: 1.63x / 1.52x plain decoding; 10 keeps most of the speed and a margin in tokens per step.
-#: On the benchmark's 40 held-out chat prompts (``python benchmarks/medusa_check.py chat``):
-#: 2.09 tokens per step, 1.71x.
+#: 2-core CPU with prepacked weights (``accel.prepack``), at chat lengths a verify pass of 0, 7
+#: and 15 drafts took 41.1, 44.8 and 51.9 ms (``python benchmarks/verify_cost.py --contexts 200
+#: --sizes 0 7 15``): each draft past the seventh costs ~0.9 ms, so such a node must be
+#: accepted ~3-4% of the time to pay for itself. Chosen on the development
+#: prompts (``python benchmarks/medusa_check.py sweep --configs dynamic:8 dynamic:10
+#: dynamic:12``): 2.06 / 2.10 / 2.13 tokens per step at 1.67x / 1.60x / 1.51x plain decoding;
+#: 10 keeps a margin in tokens per step at about the speed of 8. On the benchmark's 40
+#: held-out chat prompts (``python benchmarks/medusa_check.py chat``): 2.09 tokens per step, 1.71x.
 DEFAULT_MAX_NODES = 10
 
 
