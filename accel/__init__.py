@@ -4,6 +4,11 @@ SnapKV prompt compression and speculative decoding (Medusa heads, prompt lookup)
 shared, compressed KV cache that the verifier and every drafter read.
 """
 
+from .api import GenerateResult, generate
+from .cache import SharedCache
+from .cpu import prepack
+from .engine import Stats
+from .models import load_default, load_model
 from .strategy import (
     REGISTRY,
     AcceptanceRule,
@@ -36,24 +41,3 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
-
-
-# The engine imports the `speculative` package, whose strategies import `accel.strategy`; the
-# heavier modules load on first use so that either package can be imported first.
-_LAZY = {
-    "generate": "api",
-    "GenerateResult": "api",
-    "Stats": "engine",
-    "SharedCache": "cache",
-    "load_model": "models",
-    "load_default": "models",
-    "prepack": "cpu",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'accel' has no attribute {name!r}")

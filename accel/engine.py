@@ -16,11 +16,10 @@ from typing import Any, Callable
 
 import torch
 
-from speculative.acceptance import Acceptance, greedy_accept, sample_accept
-from speculative.tree import DraftTree, merge_proposals, tree_attention_bias, tree_position_ids
-
 from . import adapter
+from .acceptance import Acceptance, greedy_accept, sample_accept
 from .cache import SharedCache
+from .tree import DraftTree, merge_proposals, tree_attention_bias, tree_position_ids
 from .strategy import DraftContext, Drafter, PromptCompressor, Strategy
 
 __all__ = ["Stats", "Plan", "plan_strategies", "prefill", "propose", "verify", "accept", "commit", "decode"]

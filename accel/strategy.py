@@ -19,7 +19,7 @@ The decode loop never uses ``isinstance`` on strategies; it reads capability fla
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -115,11 +115,17 @@ class DraftContext:
     hidden: FloatTensor [H] the verifier's final hidden state at the pending root's parent
         (the last verified position), or None unless the drafter ``needs_hidden``.
     max_tokens: int, the draft node budget the engine allows this step.
+    warp: the request's logits warper (temperature / top-k / top-p) on logits [N, V], or
+        None for greedy decoding; a drafter that samples drafts samples from
+        ``softmax(warp(logits))`` and records that distribution as ``DraftProposal.probs``.
+    generator: the request's random generator (None when greedy).
     """
 
     tokens: torch.Tensor
     hidden: torch.Tensor | None
     max_tokens: int
+    warp: Callable[[torch.Tensor], torch.Tensor] | None = None
+    generator: torch.Generator | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 

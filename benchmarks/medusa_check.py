@@ -55,7 +55,7 @@ def _medusa(args) -> Medusa:
 def verify_cost(model, args) -> None:
     from accel.cache import SharedCache
     from accel.engine import prefill, verify
-    from speculative.tree import DraftTree
+    from accel.tree import DraftTree
 
     geo = adapter.geometry(model)
     sizes = [1, 2, 3, 4, 6, 8, 12, 16, 32, 64]

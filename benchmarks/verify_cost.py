@@ -20,7 +20,7 @@ from accel.cache import SharedCache
 from accel.engine import prefill, verify
 from accel.cpu import is_prepacked
 from accel.models import load_model
-from speculative import DraftTree
+from accel.tree import DraftTree
 
 
 def main() -> None:

@@ -1,24 +1,16 @@
-"""Speculative decoding building blocks: draft trees, their masks, and acceptance rules.
+"""Drafters and lossy acceptance rules for accel's speculative decoding.
 
 Importing the package registers the ``typical`` acceptance rule and the drafters
-(``prompt_lookup``, ``medusa``).
+(``prompt_lookup``, ``medusa``). Draft trees and the exact acceptance rules are core verify
+machinery and live in ``accel.tree`` / ``accel.acceptance``.
 """
 
-from .tree import DraftTree, MergedProposal, merge_proposals, tree_attention_bias, tree_position_ids
-from .acceptance import Acceptance, TypicalAcceptance, greedy_accept, sample_accept
+from .typical import TypicalAcceptance
 from .prompt_lookup import PromptLookup
 from .medusa import Medusa, MedusaHeads
 from .medusa_trees import TREES, build_tree
 
 __all__ = [
-    "DraftTree",
-    "MergedProposal",
-    "merge_proposals",
-    "tree_attention_bias",
-    "tree_position_ids",
-    "Acceptance",
-    "greedy_accept",
-    "sample_accept",
     "TypicalAcceptance",
     "PromptLookup",
     "Medusa",

@@ -36,8 +36,7 @@ import torch
 from pydantic import Field, model_validator
 
 from accel.strategy import DraftContext, DraftProposal, Drafter, register
-
-from .tree import merge_proposals
+from accel.tree import merge_proposals
 
 __all__ = ["PromptLookup", "find_continuations"]
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from accel.strategy import REGISTRY, StrategyError, build_strategy
-from speculative.acceptance import Acceptance, TypicalAcceptance, _draw, _draw_from, greedy_accept, sample_accept
-from speculative.tree import DraftTree
+from accel.acceptance import Acceptance, _draw, draw_from, greedy_accept, sample_accept
+from accel.tree import DraftTree
+from speculative import TypicalAcceptance
 
 V = 8
 
@@ -202,9 +203,9 @@ def test_degenerate_residual_falls_back_to_p():
     g = torch.Generator().manual_seed(0)
     assert _draw(torch.zeros(4), g) is None
     assert _draw(torch.tensor([float("nan"), 1.0]), g) is None
-    assert _draw_from(torch.zeros(4), torch.tensor([0.0, 0.0, 1.0, 0.0]), g, 0) == 2
+    assert draw_from(torch.zeros(4), torch.tensor([0.0, 0.0, 1.0, 0.0]), g, 0) == 2
     with pytest.raises(ValueError, match="node 3"):
-        _draw_from(None, torch.zeros(4), g, 3)
+        draw_from(None, torch.zeros(4), g, 3)
     # q equal to p: every draft is accepted (ratio 1), never a NaN residual
     tree = DraftTree(torch.tensor([0, 1]), torch.tensor([-1, 0]), torch.stack([P0, P0]))
     for _ in range(20):

@@ -121,7 +121,7 @@ def test_ada_snapkv_stores_uneven_heads_with_padding_masked_out():
                     k[pad] = 50.0
                     c._v[layer][:, :, : pad.shape[2]][pad] = -30.0
         from accel.engine import verify
-        from speculative import DraftTree
+        from accel.tree import DraftTree
 
         tree = DraftTree.chain(5, [6, 7, 8])
         with torch.inference_mode(), adapter.per_layer_masks(model, c):

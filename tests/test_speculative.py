@@ -139,7 +139,7 @@ def test_packed_gqa_attention_matches_sdpa_and_is_restored():
     from accel import adapter
     from accel.cache import SharedCache
     from accel.engine import prefill, verify
-    from speculative import DraftTree
+    from accel.tree import DraftTree
 
     model = make_tiny_model(seed=17)  # 4 query heads on 2 KV heads
     ids = _prompt(7, 30)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from accel.strategy import DraftProposal
-from speculative.tree import DraftTree, merge_proposals, tree_attention_bias, tree_position_ids
+from accel.tree import DraftTree, merge_proposals, tree_attention_bias, tree_position_ids
 
 
 def prop(tokens, parents, probs=None):

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from accel.strategy import DraftProposal
+from .strategy import DraftProposal
 
 __all__ = [
     "DraftTree",

@@ -16,8 +16,8 @@ Which rule is exact when:
   ``tree.probs`` row for a sampled one (several sampled siblings must be independent draws,
   e.g. i.i.d. samples from q; top-k or deduplicated samples are NOT independent and bias
   the output). A single chain is always exact.
-- :class:`TypicalAcceptance` (Medusa's typical acceptance) is LOSSY: it trades the target
-  distribution for longer accepted paths. Opt in by name ("typical").
+- ``speculative.TypicalAcceptance`` (Medusa's typical acceptance) is LOSSY: it trades the
+  target distribution for longer accepted paths. Opt in by name ("typical").
 
 All random draws come from the ``generator`` passed in (uniforms drawn on the generator's
 device), so a seeded generator gives reproducible results.
@@ -27,16 +27,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
-from pydantic import Field
-
-from accel.strategy import AcceptanceRule, register
-
 from .tree import DraftTree
 
-__all__ = ["Acceptance", "greedy_accept", "sample_accept", "TypicalAcceptance"]
+__all__ = ["Acceptance", "greedy_accept", "sample_accept", "check_rows", "draw_from"]
 
 
 @dataclass
@@ -67,7 +62,7 @@ class Acceptance:
         return [tree.token_list[j] for j in self.path[1:]] + [self.next_token]
 
 
-def _check_rows(tree: DraftTree, scores: torch.Tensor, what: str) -> None:
+def check_rows(tree: DraftTree, scores: torch.Tensor, what: str) -> None:
     if scores.dim() != 2 or scores.shape[0] != tree.num_nodes:
         raise ValueError(f"{what} must have shape [N+1={tree.num_nodes}, V], got {tuple(scores.shape)}")
 
@@ -95,7 +90,7 @@ def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int | Non
     return idx
 
 
-def _draw_from(residual: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None, node: int) -> int:
+def draw_from(residual: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None, node: int) -> int:
     """Sample from ``residual``; if it lost all its mass to rounding, fall back to ``p``."""
     idx = _draw(residual, generator) if residual is not None else None
     if idx is None:
@@ -117,7 +112,7 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     ties, as in plain greedy decoding), move to that child (the first such child if several
     carry the same token); ``next_token = argmax`` at the final node. Exact.
     """
-    _check_rows(tree, logits, "logits")
+    check_rows(tree, logits, "logits")
     top = logits.argmax(dim=-1).tolist()  # [N+1], one device sync
     node, path = 0, [0]
     while True:
@@ -153,10 +148,10 @@ def sample_accept(tree: DraftTree, probs: torch.Tensor, generator: torch.Generat
     distinct point-mass siblings, and for sampled siblings that are independent (e.g.
     i.i.d.) samples. See the module docstring.
     """
-    _check_rows(tree, probs, "probs")
+    check_rows(tree, probs, "probs")
     q_all = tree.probs
     if q_all is not None:
-        _check_rows(tree, q_all, "tree.probs")
+        check_rows(tree, q_all, "tree.probs")
         if q_all.shape[1] != probs.shape[1]:
             raise ValueError(f"tree.probs has V={q_all.shape[1]} but probs V={probs.shape[1]}")
     node, path = 0, [0]
@@ -164,13 +159,13 @@ def sample_accept(tree: DraftTree, probs: torch.Tensor, generator: torch.Generat
         kids = tree.children[node]
         p = probs[node]
         if not kids:
-            return Acceptance(path=path, next_token=_draw_from(None, p, generator, node))
+            return Acceptance(path=path, next_token=draw_from(None, p, generator, node))
         if q_all is None:
             nxt, residual = _reject_point_masses(tree, kids, p, generator)
         else:
             nxt, residual = _reject_sampled(tree, kids, p, q_all, generator)
         if nxt is None:
-            return Acceptance(path=path, next_token=_draw_from(residual, p, generator, node))
+            return Acceptance(path=path, next_token=draw_from(residual, p, generator, node))
         node = nxt
         path.append(node)
 
@@ -230,50 +225,3 @@ def _reject_sampled(
             return None, None
         r = r / total
     return None, r
-
-
-# --------------------------------------------------------------------------- typical (lossy)
-
-
-@register
-class TypicalAcceptance(AcceptanceRule):
-    """Medusa's typical acceptance. LOSSY: the output does NOT follow the target distribution.
-
-    A draft token x at child c of node j is accepted when
-    ``p[j](x) > min(posterior_threshold, alpha * exp(-entropy(p[j])))``: confident target
-    rows demand a likely draft, flat rows accept anything moderately plausible. The longest
-    accepted root-to-leaf prefix wins (ties: the first path in ``tree.paths`` order). The
-    token after it is SAMPLED from p at the last accepted node (Medusa takes the greedy
-    token for the first position; here every emitted non-draft token is a sample of p, so
-    with temperature 0 / one-hot p this rule reduces to greedy acceptance).
-    """
-
-    name: ClassVar[str] = "typical"
-    lossy: ClassVar[bool] = True
-
-    posterior_threshold: float = Field(
-        0.09, gt=0, description="hard ceiling of the acceptance threshold on p(draft token)"
-    )
-    alpha: float = Field(
-        0.3, ge=0, description="entropy-adaptive threshold: alpha * exp(-entropy(p)), the lower one applies"
-    )
-
-    def accept(self, tree: DraftTree, probs: torch.Tensor, generator: torch.Generator | None = None) -> Acceptance:
-        """probs: [N+1, V] target distribution p, row j after node j. Returns the Acceptance."""
-        _check_rows(tree, probs, "probs")
-        if tree.num_drafts == 0:
-            return Acceptance(path=[0], next_token=_draw_from(None, probs[0], generator, 0))
-        p = probs.float()
-        entropy = -(p * torch.log(p.clamp_min(torch.finfo(p.dtype).tiny))).sum(-1)  # [N+1], 0 log 0 = 0
-        threshold = torch.clamp(self.alpha * torch.exp(-entropy), max=self.posterior_threshold)
-        parents = tree.parents[1:]
-        p_draft = p[parents, tree.tokens[1:]]  # [N], p of each draft under its parent's row
-        ok = [True, *(p_draft > threshold[parents]).tolist()]
-        best: list[int] = [0]
-        for path in tree.paths:
-            n = 1
-            while n < len(path) and ok[path[n]]:
-                n += 1
-            if n > len(best):
-                best = path[:n]
-        return Acceptance(path=best, next_token=_draw_from(None, probs[best[-1]], generator, best[-1]))
