@@ -4,7 +4,7 @@ SnapKV prompt compression and speculative decoding (Medusa heads, prompt lookup)
 shared, compressed KV cache that the verifier and every drafter read.
 """
 
-from .api import GenerateResult, generate
+from .api import GenerateResult, StreamDelta, generate, stream
 from .cache import SharedCache
 from .cpu import prepack
 from .engine import Stats
@@ -23,7 +23,9 @@ from .strategy import (
 
 __all__ = [
     "generate",
+    "stream",
     "GenerateResult",
+    "StreamDelta",
     "Stats",
     "SharedCache",
     "load_model",
