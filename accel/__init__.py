@@ -9,6 +9,7 @@ from .cache import SharedCache
 from .cpu import prepack
 from .engine import Stats
 from .models import load_default, load_model
+from .service import Delta, Engine, RequestHandle, RequestResult
 from .strategy import (
     REGISTRY,
     AcceptanceRule,
@@ -26,6 +27,10 @@ __all__ = [
     "stream",
     "GenerateResult",
     "StreamDelta",
+    "Engine",
+    "RequestHandle",
+    "RequestResult",
+    "Delta",
     "Stats",
     "SharedCache",
     "load_model",
