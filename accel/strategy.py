@@ -153,6 +153,14 @@ class Drafter(Strategy):
 
     drafts: ClassVar[bool] = True
 
+    def check(self, model: Any) -> None:
+        """Raise a ValueError with a clear message if this drafter cannot draft for ``model``
+        (files for another model, a missing file, a model it cannot read).
+
+        Called once per request before the prefill, so a bad configuration fails before any
+        expensive work. The default accepts every model.
+        """
+
     def start(self, model: Any, prompt: torch.Tensor) -> Any:
         """Per-request state, created after the prefill. prompt: LongTensor [n]."""
         return None
