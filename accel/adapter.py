@@ -70,18 +70,66 @@ class Geometry:
         return 2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * itemsize
 
 
-def check_causal_lm(model: Any) -> None:
-    """Raise a ValueError naming the class unless ``model`` is a decoder-only causal LM."""
+def check_causal_lm(model: Any, where: str | None = None) -> None:
+    """Raise a ValueError naming the class unless ``model`` is, or describes, a decoder-only
+    causal LM. The one such check: loaders call it on a config before loading any weights
+    and on the model they built, ``generate`` on the model it is given.
+
+    model: a loaded model, or a transformers ``PretrainedConfig`` (checked by its
+        ``model_type`` and ``architectures``: AutoModelForCausalLM must know them, and it
+        must not be an encoder).
+    where: how the message names the source, e.g. ``"'/path/to/checkpoint'"``.
+    """
+    from transformers import PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        _check_causal_config(model, where or "the config")
+        return
     name = type(model).__name__
+    src = f"{where} holds a {name}: " if where else ""
     if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"accel needs a transformers PreTrainedModel causal LM, got {name}")
+        raise ValueError(f"{src}accel needs a transformers PreTrainedModel causal LM, got {name}")
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; accel handles decoder-only causal LMs")
+        raise ValueError(f"{src}{name} is an encoder-decoder model; accel handles decoder-only causal LMs")
     if model.get_output_embeddings() is None or not hasattr(model, "get_decoder"):
-        raise ValueError(f"{name} is not a causal language model (it has no output head); load it with AutoModelForCausalLM")
+        raise ValueError(f"{src}{name} is not a causal language model (it has no output head); load it with AutoModelForCausalLM")
     if not getattr(model, "can_generate", lambda: False)():
-        raise ValueError(f"{name} cannot generate text; load a causal LM with AutoModelForCausalLM")
+        raise ValueError(f"{src}{name} cannot generate text; load a causal LM with AutoModelForCausalLM")
+
+
+def _causal_lm_class_names() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
+def _check_causal_config(config: Any, where: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    archs = list(getattr(config, "architectures", None) or [])
+    label = archs[0] if archs else f"{type(config).__name__} (model_type={model_type!r})"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{where} holds a {label}, which is not a causal language model "
+            f"(no AutoModelForCausalLM class for model_type={model_type!r}); accel needs a "
+            f"decoder-only causal LM."
+        )
+    if archs and not set(archs) & _causal_lm_class_names():
+        raise ValueError(
+            f"{where} holds a {', '.join(archs)}, which is not a causal language model; accel "
+            f"needs a decoder-only causal LM (e.g. a *ForCausalLM checkpoint)."
+        )
+    if getattr(config, "is_decoder", None) is False and not archs:
+        # e.g. a bare BERT config: AutoModelForCausalLM would build a bidirectional encoder.
+        raise ValueError(
+            f"{where} holds a {label} configured as an encoder (is_decoder=False), which is "
+            f"not a causal language model."
+        )
 
 
 def geometry(model: PreTrainedModel) -> Geometry:
