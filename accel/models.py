@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from .adapter import check_causal_lm
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "ModelNotAvailableError",
@@ -330,50 +332,12 @@ def _prepacked(model, prepack: bool):
 # --------------------------------------------------------------------------------------------
 
 
-def _causal_lm_class_names() -> set[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names: set[str] = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update([value] if isinstance(value, str) else value)
-    return names
-
-
-def _check_causal_config(config, where: str) -> None:
-    """Raise ValueError unless ``config`` describes a causal (decoder-only) language model."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type = getattr(config, "model_type", None)
-    archs = list(getattr(config, "architectures", None) or [])
-    label = archs[0] if archs else f"{type(config).__name__} (model_type={model_type!r})"
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"{where} holds a {label}, which is not a causal language model "
-            f"(no AutoModelForCausalLM class for model_type={model_type!r}); accel needs a "
-            f"decoder-only causal LM."
-        )
-    if archs and not set(archs) & _causal_lm_class_names():
-        raise ValueError(
-            f"{where} holds a {', '.join(archs)}, which is not a causal language model; accel "
-            f"needs a decoder-only causal LM (e.g. a *ForCausalLM checkpoint)."
-        )
-    if getattr(config, "is_decoder", None) is False and not archs:
-        # e.g. a bare BERT config: AutoModelForCausalLM would build a bidirectional encoder.
-        raise ValueError(
-            f"{where} holds a {label} configured as an encoder (is_decoder=False), which is "
-            f"not a causal language model."
-        )
-
-
 def _has_tokenizer_files(folder: Path) -> bool:
     return any((folder / name).exists() for name in _TOKENIZER_FILES)
 
 
-def _finish(model, dtype: torch.dtype, device: str | torch.device):
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel) or not model.can_generate():
-        raise ValueError(f"{type(model).__name__} is not a causal language model that can generate.")
+def _finish(model, dtype: torch.dtype, device: str | torch.device, where: str):
+    check_causal_lm(model, where)
     model = model.to(device=device, dtype=dtype)
     model.eval()
     return model
@@ -392,14 +356,14 @@ def _load_checkpoint(
 
     where = f"'{source}'"
     config = AutoConfig.from_pretrained(str(source), local_files_only=True)
-    _check_causal_config(config, where)
+    check_causal_lm(config, where)
     kwargs: dict[str, Any] = {}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(
         str(source), config=config, dtype=dtype, local_files_only=True, **kwargs
     )
-    model = _finish(model, dtype, device)
+    model = _finish(model, dtype, device, where)
     tokenizer = None
     if is_folder:
         if _has_tokenizer_files(Path(source)):
@@ -490,9 +454,9 @@ def _load_gguf_file(path: Path, dtype, device, attn_implementation):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    _check_causal_config(config, f"'{path}'")
+    check_causal_lm(config, f"'{path}'")
     model, tokenizer = _load_gguf(path, dtype=dtype, attn_implementation=attn_implementation)
-    model = _finish(model, dtype, device)
+    model = _finish(model, dtype, device, f"'{path}'")
     _fix_special_tokens(model, tokenizer)
     return model, tokenizer
 

@@ -165,3 +165,18 @@ def test_conversion_marker_detects_staleness(tmp_path):
     # Different bytes of the same size: stale.
     gguf.write_bytes(b"GGUF" + bytes([1]) * 60)
     assert not models._checkpoint_is_current(ckpt, gguf, models._source_fingerprint(gguf))
+
+
+def test_one_causal_lm_check_for_configs_and_models():
+    from transformers import BertConfig, LlamaConfig, LlamaModel
+
+    from accel import adapter
+
+    adapter.check_causal_lm(make_tiny_model())
+    adapter.check_causal_lm(make_tiny_model().config)
+    with pytest.raises(ValueError, match="'ckpt' holds a BertConfig .*not a causal language model"):
+        adapter.check_causal_lm(BertConfig(), where="'ckpt'")
+    base = LlamaModel(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="'ckpt' holds a LlamaModel: LlamaModel is not a causal language model"):
+        adapter.check_causal_lm(base, where="'ckpt'")
