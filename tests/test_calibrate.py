@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from accel import calibrate, timing
+from accel.cli import main
 from accel.cost_model import CostTable, acceptance_gains, allocate_drafts, static_table
 from accel.cpu import is_prepacked, prepack, prepack_available
+from accel.models import _prepacked, load_model
 from helpers import make_tiny_model
 
 
@@ -263,6 +265,46 @@ def test_cost_table_measures_for_real_into_the_cache(calib_cache, one_thread):
     model = make_tiny_model()
     t = calibrate.cost_table(model, tokens=(1, 2), cache_lens=(8,), repeats=1)
     assert t.measured and calibrate.cost_table(model) == t
+
+
+# ---------------------------------------------------------------------------- decisions
+
+
+@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
+@pytest.mark.parametrize("prefer", [False, True])
+def test_auto_prepack_follows_the_table(calib_cache, monkeypatch, tmp_path, prefer):
+    monkeypatch.setattr(timing, "measure", fake_measure(prefer_prepack=prefer))
+    assert is_prepacked(_prepacked(make_tiny_model(), "auto")) == prefer
+    folder = tmp_path / "tiny"
+    make_tiny_model().save_pretrained(folder)
+    model, _ = load_model(folder)  # prepack="auto" by default, reading the cached table now
+    assert is_prepacked(model) == prefer
+    monkeypatch.setattr(timing, "measure", refuse)
+    assert is_prepacked(load_model(folder, prepack=True)[0])
+    assert not is_prepacked(load_model(folder, prepack=False)[0])
+
+
+def test_auto_prepack_is_off_without_calibration_or_off_a_float32_cpu_model(calib_cache, monkeypatch):
+    monkeypatch.setattr(timing, "measure", refuse)
+    assert not is_prepacked(_prepacked(make_tiny_model().to(torch.bfloat16), "auto"))  # nothing to decide
+    monkeypatch.setenv("ACCEL_CALIBRATION", "off")
+    assert not is_prepacked(_prepacked(make_tiny_model(), "auto"))
+    with pytest.raises(ValueError):
+        _prepacked(make_tiny_model(), "yes")
+
+
+def test_cli_calibrate_prints_the_table_and_where_it_is_cached(calib_cache, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(timing, "measure", fake_measure())
+    folder = tmp_path / "tiny"
+    make_tiny_model().save_pretrained(folder)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["calibrate", "--model", str(folder), "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "verify pass" in out and "prefer_prepack: False" in out and str(calib_cache / "calibration") in out
+    assert main(["calibrate", "--model", str(folder), "--threads", "0"]) == 2
 
 
 def test_measured_grid_is_made_non_decreasing():
