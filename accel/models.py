@@ -24,7 +24,7 @@ import shutil
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -292,7 +292,7 @@ def load_default(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
-    prepack: bool = True,
+    prepack: bool | Literal["auto"] = "auto",
 ):
     """Load the default model, SmolLM2-135M-Instruct, and its tokenizer.
 
@@ -307,7 +307,9 @@ def load_default(
     ``<|im_end|>``; eos = pad = ``<|im_end|>``).
 
     ``prepack`` (float32 on a CPU): lay the linear weights out once for oneDNN, see
-    :func:`accel.cpu.prepack` (~1.4x faster decoding on a CPU; ``model.generate`` runs the same kernels).
+    :func:`accel.cpu.prepack` (``model.generate`` runs the same kernels). ``"auto"`` (the
+    default) packs only where this machine's calibration (:func:`accel.calibrate.cost_table`)
+    measured packed passes faster; whether they are depends on the CPU.
     """
     gguf = default_gguf_path()
     dest = default_checkpoint_dir()
@@ -319,10 +321,23 @@ def load_default(
     return _prepacked(model, prepack), tokenizer
 
 
-def _prepacked(model, prepack: bool):
-    if prepack:
-        from .cpu import prepack as _prepack
+def _prepacked(model, prepack: bool | Literal["auto"]):
+    """Pack ``model``'s linear layers if ``prepack`` is True, or if it is ``"auto"`` and the
+    calibration of this model on this machine prefers packed kernels (measured on first use,
+    then cached; with ``ACCEL_CALIBRATION=off`` nothing is packed)."""
+    from .cpu import prepack as _prepack
+    from .cpu import prepack_available
 
+    if prepack == "auto":
+        param = next(model.parameters())
+        if param.device.type != "cpu" or param.dtype != torch.float32 or not prepack_available():
+            return model  # nothing to pack: no need to measure
+        from .calibrate import cost_table
+
+        prepack = cost_table(model).prefer_prepack
+    elif not isinstance(prepack, bool):
+        raise ValueError(f"prepack must be True, False or 'auto', got {prepack!r}")
+    if prepack:
         _prepack(model)
     return model
 
@@ -391,7 +406,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
-    prepack: bool = True,
+    prepack: bool | Literal["auto"] = "auto",
 ):
     """Load a causal LM and its tokenizer, from local files only.
 
@@ -404,9 +419,10 @@ def load_model(
     - a Hugging Face hub id, which works only if it is already in the local HF cache.
 
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``. The
-    tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files. With
-    ``prepack`` (the default) float32 linear layers on a CPU are packed for oneDNN once
-    (:func:`accel.cpu.prepack`).
+    tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files. ``prepack``:
+    pack float32 linear layers on a CPU for oneDNN once (:func:`accel.cpu.prepack`): True,
+    False, or ``"auto"`` (the default: where calibration measured it faster, see
+    :func:`load_default`).
 
     Raises ``ValueError`` if the checkpoint is not a causal LM (the message names its class),
     and :class:`ModelNotAvailableError` (a ``FileNotFoundError``) if nothing local matches --

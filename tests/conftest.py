@@ -3,13 +3,22 @@
 - ``tiny_model``: a fresh random tiny Llama (see ``helpers.make_tiny_model``); cheap, per test.
 - ``default_model``: ``(model, tokenizer)`` of the real default model, SmolLM2-135M-Instruct,
   loaded once per session. Tests using it carry ``@pytest.mark.real_model``.
+
+Calibration is off in tests (``ACCEL_CALIBRATION=off``) unless the environment sets it.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from helpers import make_tiny_model
+
+# Loading a model with prepack="auto" would otherwise measure this machine (~20 s for the
+# default model) and write the table into the user's cache: tests get the static table
+# unless ACCEL_CALIBRATION is set, and test_calibrate.py measures in a temporary cache.
+os.environ.setdefault("ACCEL_CALIBRATION", "off")
 
 
 @pytest.fixture

@@ -174,9 +174,10 @@ class Experiment(_Model):
     id already in the local Hugging Face cache (nothing is downloaded)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Model weights and KV cache dtype."""
-    prepack: bool = True
-    """Pack float32 linear weights for oneDNN once (``accel.cpu.prepack``; CPU only). The
-    baselines run on the same model, so they get the faster kernels too."""
+    prepack: bool | Literal["auto"] = "auto"
+    """Pack float32 linear weights for oneDNN once (``accel.cpu.prepack``; CPU only): true,
+    false, or ``auto`` (where this machine's calibration measured packed kernels faster). The
+    baselines run on the same model, so they get the same kernels."""
     device: str = "cpu"
     """torch device, e.g. ``cpu`` or ``cuda:0``."""
     threads: int | None = Field(None, gt=0)
