@@ -175,15 +175,16 @@ def allocate_drafts(
     drafter_ms[b] (optional): milliseconds row b's drafter costs in a step where it drafts
         at all (k_b > 0); rows that get no drafts do not pay it.
 
-    Returns k [B] maximising the expected tokens per millisecond of the step,
-    ``(B + sum of the chosen gains) / (step_ms(B + sum k, cache_len) + sum of drafter_ms
-    of rows with k_b > 0)``. The rule is greedy marginal allocation: repeatedly give one more
-    token to the row whose next token leaves the best ratio (a row that has not drafted yet
-    may take a block of tokens, so a drafter cost is weighed against all the tokens it
-    buys), down to the last token on offer, and keep the best allocation seen along the
-    way; stopping at the first token that does not raise the ratio would stop at a bump of a
-    measured curve. Rows may get 0. The costs come from ``table``, measured on this machine
-    by :mod:`accel.calibrate`, not from constants.
+    The batched verify pass pads every row's tree to the step's largest, so a step that
+    lets some row verify m drafts costs ``step_ms(B * (m + 1), cache_len)`` whatever the
+    others verify: below the deepest row, draft tokens are free. The rule therefore picks
+    one depth m (0 .. the largest cap) and gives every row ``min(m, its cap)`` drafts,
+    except rows whose expected gain does not pay for their drafter's own cost; it returns
+    the allocation with the most expected tokens per millisecond,
+    ``(B + sum of the chosen gains) / (step_ms(B * (m + 1)) + drafter ms of drafting rows)``.
+    Rows may get 0, and m = 0 (plain decoding) wins whenever drafting does not pay. The
+    costs come from ``table``, measured on this machine by :mod:`accel.calibrate`, not
+    from constants.
     """
     rows = len(gains)
     if max_per_row < 0:
@@ -198,32 +199,22 @@ def allocate_drafts(
     for b in range(rows):
         for i in range(caps[b]):
             prefix[b].append(prefix[b][-1] + float(gains[b][i]))
-    cost = table.curve(cache_len, rows + sum(caps))
-
-    k = [0] * rows
-    value, extra, drafts = float(rows), 0.0, 0  # expected tokens, drafter ms paid, draft tokens
-    best_ratio, best = value / cost[rows], list(k)
-    while True:
-        move = None  # (ratio, row, tokens)
-        for b in range(rows):
-            if k[b] >= caps[b]:
-                continue
-            # a row's first tokens may come as a block when its drafter has a cost to amortise
-            blocks = range(1, caps[b] + 1) if k[b] == 0 and fixed[b] > 0 else (1,)
-            paid = fixed[b] if k[b] == 0 else 0.0
-            for j in blocks:
-                ratio = (value + prefix[b][k[b] + j] - prefix[b][k[b]]) / (cost[rows + drafts + j] + extra + paid)
-                if move is None or ratio > move[0]:
-                    move = (ratio, b, j)
-        if move is None:
-            break
-        ratio, b, j = move
-        value += prefix[b][k[b] + j] - prefix[b][k[b]]
-        extra += fixed[b] if k[b] == 0 else 0.0
-        k[b] += j
-        drafts += j
-        if ratio > best_ratio * (1 + 1e-12):
-            best_ratio, best = ratio, list(k)
+    deepest = max(caps)
+    cost = table.curve(cache_len, rows * (deepest + 1))
+    best_ratio, best = rows / cost[rows], [0] * rows
+    for m in range(1, deepest + 1):
+        take = [b for b in range(rows) if caps[b] > 0 and prefix[b][min(m, caps[b])] > 0]
+        while take:
+            width = min(m, max(caps[b] for b in take)) + 1
+            value = rows + sum(prefix[b][min(m, caps[b])] for b in take)
+            ratio = value / (cost[rows * width] + sum(fixed[b] for b in take))
+            keep = [b for b in take if prefix[b][min(m, caps[b])] >= ratio * fixed[b]]
+            if len(keep) == len(take):
+                break
+            take = keep
+        if take and ratio > best_ratio * (1 + 1e-12):
+            best_ratio = ratio
+            best = [min(m, caps[b]) if b in take else 0 for b in range(rows)]
     return best
 
 

@@ -90,9 +90,22 @@ def test_a_big_batch_gets_fewer_drafts_per_row_than_batch_one():
 
 def test_rows_with_low_acceptance_get_none_while_good_rows_draft():
     gains = [acceptance_gains(0.9, 8), acceptance_gains(0.02, 8), acceptance_gains(0.85, 8), [0.0] * 8]
-    k = allocate_drafts(KNEE, 256, gains, max_per_row=8)
+    # every drafting row pays 1 ms for its drafter: the 2% row does not earn it back
+    k = allocate_drafts(KNEE, 256, gains, max_per_row=8, drafter_ms=[1.0] * 4)
     assert k[1] == 0 and k[3] == 0
-    assert k[0] > 0 and k[2] > 0 and k[0] >= k[2]
+    assert k[0] > 0 and k[2] > 0 and k[0] == k[2]  # one padded depth for the drafting rows
+    # a drafter that costs nothing drafts below the deepest row for free, except with no gain at all
+    free = allocate_drafts(KNEE, 256, gains, max_per_row=8)
+    assert free[3] == 0 and free[0] == free[1] == free[2] > 0
+
+
+def test_padding_makes_one_deep_row_cost_the_whole_batch():
+    # verify cost is linear in padded tokens: one good row among seven useless ones pays for
+    # eight rows per extra depth, so it drafts less than it would alone
+    steep = table([1, 64], [10.0, 73.0])
+    alone = allocate_drafts(steep, 256, [acceptance_gains(0.8, 8)], max_per_row=8)
+    among = allocate_drafts(steep, 256, [acceptance_gains(0.8, 8)] + [[0.0] * 8] * 7, max_per_row=8)
+    assert alone[0] > among[0] and among[1:] == [0] * 7
 
 
 def test_allocation_looks_past_a_bump_in_the_cost_curve():

@@ -156,8 +156,8 @@ class Generation(_Model):
     max_new_tokens: int = Field(64, gt=0)
     """Tokens generated per item at most (all configurations stop at the model's eos too)."""
     max_draft_tokens: int | None = Field(None, gt=0)
-    """accel runs: the most draft nodes verified in one pass (None: sized to the cache by
-    ``accel.engine.draft_budget``)."""
+    """accel runs: the most draft nodes a row verifies in one pass (None: no limit but the
+    engine's; the measured cost table sizes each step, ``accel.engine.draft_budgets``)."""
     system: str | None = None
     """Optional system message for the chat template (default: the template's own)."""
 
