@@ -252,7 +252,11 @@ def backbone_forward(
 def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The model's output head on hidden states [..., H] -> float32 logits [..., V]."""
     logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    cfg = model.config.get_text_config(decoder=True)
+    scale = getattr(cfg, "logits_scaling", None)  # Granite divides its logits
+    if scale and scale != 1:
+        logits = logits / scale
+    cap = getattr(cfg, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits.float()
@@ -615,20 +619,29 @@ def _grouped_mask(mask: torch.Tensor, b: int, q_len: int, kv_len: int, groups: i
     return grouped
 
 
+def _switchable(impl: str) -> bool:
+    """Attention implementations accel replaces by packed sdpa while it runs."""
+    return impl == "sdpa" or "flash" in impl
+
+
 @contextmanager
 def packed_gqa_attention(model: PreTrainedModel) -> Iterator[None]:
-    """While active, a model on transformers' ``sdpa`` uses :func:`_packed_sdpa`.
+    """While active, a model on transformers' ``sdpa`` or on flash-attention uses
+    :func:`_packed_sdpa`.
 
     The attention implementation is a per-model setting, so it is switched for the duration
     of the call and restored afterwards (counted, so overlapping calls on one model restore
     it once the last one ends). The packed path is the same arithmetic as ``sdpa``; a
     foreign forward that runs meanwhile gets the same results, only without the K/V copies.
-    Models on other implementations (eager, flash-attention) are left alone.
+    Flash-attention kernels take no additive 4-D masks (draft trees, per-row padding), so a
+    flash-attention model runs accel's calls on sdpa arithmetic too. Eager models are left
+    alone (their masks are additive already).
     """
     config = model.config
     with _switch_lock:
         entry = _switched.get(id(config))
-        if entry is None and getattr(config, "_attn_implementation", None) != "sdpa":
+        impl = getattr(config, "_attn_implementation", None) or ""
+        if entry is None and not _switchable(impl):
             entry = None
             active = False
         else:
