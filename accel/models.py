@@ -17,6 +17,8 @@ Public functions:
 - :func:`load_model` -- ``"default"``, a name from :data:`PACKAGED_MODELS`, a local checkpoint
   folder, a ``.gguf`` file, or a hub id already in the local Hugging Face cache.
 - :func:`load_default` -- the default model and its tokenizer.
+- :func:`load_shared` -- :func:`load_model` once per process and (name, dtype, device),
+  shared by every caller (draft models, the bench's assisted-generation baseline).
 - :func:`packaged_gguf_path` -- the joined GGUF file of a packaged model (joined once).
 - :func:`chat_ids` -- a user prompt through the tokenizer's chat template, as ``[1, n]`` ids.
 - :func:`cache_dir` / :func:`default_checkpoint_dir` -- where converted checkpoints live.
@@ -30,6 +32,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +50,7 @@ __all__ = [
     "default_gguf_path",
     "load_default",
     "load_model",
+    "load_shared",
     "packaged_checkpoint_dir",
     "packaged_gguf_path",
     "packaged_parts",
@@ -653,6 +657,28 @@ def load_model(
         return _prepacked(model, prepack), tokenizer
     model, tokenizer = _load_named(name, dtype, device, attn_implementation)
     return _prepacked(model, prepack), tokenizer
+
+
+_SHARED: dict[tuple[str, torch.dtype, str], tuple[Any, Any]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def load_shared(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu"):
+    """``load_model(name_or_path, dtype, device)``, loaded once per process and shared.
+
+    For models that strategies name (a draft model): strategies hold configuration only, so
+    the weights live here and every request and thread uses the same object. Loads are
+    serialised by a lock; the model stays loaded for the life of the process.
+    """
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    key = (str(path.resolve()) if path.exists() else name.lower(), dtype, str(torch.device(device)))
+    with _SHARED_LOCK:
+        hit = _SHARED.get(key)
+        if hit is None:
+            hit = _SHARED[key] = load_model(name, dtype=dtype, device=device)
+    return hit
 
 
 def _load_named(name: str, dtype, device, attn_implementation):

@@ -3,13 +3,27 @@
 - ``tiny_model``: a fresh random tiny Llama (see ``helpers.make_tiny_model``); cheap, per test.
 - ``default_model``: ``(model, tokenizer)`` of the real default model, SmolLM2-135M-Instruct,
   loaded once per session. Tests using it carry ``@pytest.mark.real_model``.
+
+Tests marked ``models`` (the packaged Qwen models, gigabytes and minutes to load) run only
+when selected by name: ``pytest -m models`` (``make test-models``); otherwise they are skipped.
 """
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from helpers import make_tiny_model
+
+
+def pytest_collection_modifyitems(config, items):
+    if re.search(r"(?<!not )\bmodels\b", config.getoption("markexpr") or ""):
+        return  # selected by name
+    skip = pytest.mark.skip(reason="packaged-model test: run with `pytest -m models` (make test-models)")
+    for item in items:
+        if item.get_closest_marker("models") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture
