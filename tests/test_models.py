@@ -242,3 +242,12 @@ def test_sharded_safetensors_round_trip(tmp_path):
     single.mkdir()
     _write_safetensors(tensors, single)
     assert sorted(p.name for p in single.iterdir()) == ["model.safetensors"]
+
+
+def test_load_shared_loads_once(tmp_path):
+    from accel.models import load_shared
+
+    make_tiny_model().save_pretrained(tmp_path / "m")
+    first, _ = load_shared(tmp_path / "m")
+    assert load_shared(str(tmp_path / "m"))[0] is first
+    assert load_shared(tmp_path / "m", dtype=torch.bfloat16)[0] is not first
