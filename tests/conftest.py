@@ -4,12 +4,16 @@
 - ``default_model``: ``(model, tokenizer)`` of the real default model, SmolLM2-135M-Instruct,
   loaded once per session. Tests using it carry ``@pytest.mark.real_model``.
 
+Tests marked ``models`` (the packaged Qwen models, gigabytes and minutes to load) run only
+when selected by name: ``pytest -m models`` (``make test-models``); otherwise they are skipped.
+
 Calibration is off in tests (``ACCEL_CALIBRATION=off``) unless the environment sets it.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
@@ -19,6 +23,15 @@ from helpers import make_tiny_model
 # default model) and write the table into the user's cache: tests get the static table
 # unless ACCEL_CALIBRATION is set, and test_calibrate.py measures in a temporary cache.
 os.environ.setdefault("ACCEL_CALIBRATION", "off")
+
+
+def pytest_collection_modifyitems(config, items):
+    if re.search(r"(?<!not )\bmodels\b", config.getoption("markexpr") or ""):
+        return  # selected by name
+    skip = pytest.mark.skip(reason="packaged-model test: run with `pytest -m models` (make test-models)")
+    for item in items:
+        if item.get_closest_marker("models") is not None:
+            item.add_marker(skip)
 
 
 @pytest.fixture

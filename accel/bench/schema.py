@@ -28,6 +28,7 @@ __all__ = [
     "Generation",
     "HFGenerate",
     "HFPromptLookup",
+    "HFAssisted",
     "KVPressSnapKV",
     "BASELINE_NAMES",
     "load_config",
@@ -130,6 +131,24 @@ class HFPromptLookup(_Model):
     """``max_matching_ngram_size``: longest n-gram matched."""
 
 
+class HFAssisted(_Model):
+    """``model.generate(..., assistant_model=DRAFT, num_assistant_tokens=num_tokens)``:
+    transformers' assisted generation with a draft model of the same tokenizer."""
+
+    name: Literal["hf_assisted"] = "hf_assisted"
+    model: str
+    """The draft model: a name or path for ``accel.load_model`` (e.g.
+    ``qwen2.5-coder-0.5b-instruct``), loaded in the experiment's dtype on its device."""
+    num_tokens: int = Field(5, gt=0)
+    """``num_assistant_tokens``: draft length."""
+    schedule: Literal["constant", "heuristic"] = "constant"
+    """``num_assistant_tokens_schedule``: ``constant`` drafts ``num_tokens`` every step, like
+    accel's ``draft_model``; ``heuristic`` grows and shrinks the length with acceptance."""
+    confidence_threshold: float = Field(0.0, ge=0, lt=1)
+    """``assistant_confidence_threshold``: stop drafting below this draft probability (0: never;
+    transformers' own default is 0.4)."""
+
+
 class KVPressSnapKV(_Model):
     """kvpress's SnapKVPress around ``model.generate``, keeping ``budget`` prompt entries per
     head (only if the optional ``kvpress`` package imports with this transformers)."""
@@ -143,8 +162,8 @@ class KVPressSnapKV(_Model):
     """kvpress ``kernel_size``."""
 
 
-Baseline = Annotated[Union[HFGenerate, HFPromptLookup, KVPressSnapKV], Field(discriminator="name")]
-BASELINE_NAMES = ("hf_generate", "hf_prompt_lookup", "kvpress_snapkv")
+Baseline = Annotated[Union[HFGenerate, HFPromptLookup, HFAssisted, KVPressSnapKV], Field(discriminator="name")]
+BASELINE_NAMES = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "kvpress_snapkv")
 
 
 # --------------------------------------------------------------------------- experiment
@@ -188,7 +207,8 @@ class Experiment(_Model):
     """Named accel configurations: each a list of strategy specs (``"snapkv:budget=512"`` or
     ``{name: snapkv, budget: 512}``), ``[]`` for accel's plain decoding."""
     baselines: list[Baseline] = Field(default_factory=lambda: [HFGenerate()])
-    """HF reference configurations: ``hf_generate``, ``hf_prompt_lookup``, ``kvpress_snapkv``."""
+    """HF reference configurations: ``hf_generate``, ``hf_prompt_lookup``, ``hf_assisted``,
+    ``kvpress_snapkv``."""
     reference: str = "hf_generate"
     """The configuration every speed-up is a ratio to (a baseline or run name)."""
     generation: Generation = Field(default_factory=Generation)
