@@ -104,6 +104,11 @@ class SharedCache(TransformersCache):
         rows = self._len[layer_idx]
         return (max(rows) if rows else 0) + self._pending[layer_idx]
 
+    @property
+    def pending_entries(self) -> int:
+        """Entries each row appended since the last commit (the same in every layer)."""
+        return self._pending[0]
+
     def row_lengths(self, layer_idx: int = 0) -> list[int]:
         """Committed entries of each row in one layer."""
         return list(self._len[layer_idx])
@@ -277,6 +282,8 @@ class SharedCache(TransformersCache):
         tree_mask: BoolTensor [B, T, T], True where new token i may see new token j (its
             ancestors and itself), or None for T == 1.
         groups: query heads per KV head (per-head masks are given per query head).
+        Entries appended by earlier forwards since the last commit (a draft model feeding a
+        chain token by token) are seen by every new token.
         Returns the mask to hand the model ([B, 1, T, P + T] additive, of ``dtype``), or
         None when a plain causal mask over the cache is right (one token per row, every row
         of every layer the same length, nothing padded). Layers whose mask differs get
@@ -284,7 +291,7 @@ class SharedCache(TransformersCache):
         """
         bsz, t = positions.shape
         self._step_positions = positions
-        if t == 1 and not self.ragged and len(set(self._len[0])) <= 1:
+        if t == 1 and not self.ragged and len(set(self._len[0])) <= 1 and not any(self._pending):
             self._masks = [None] * self.num_layers
             return None
         device = positions.device
@@ -295,14 +302,17 @@ class SharedCache(TransformersCache):
         masks: list[torch.Tensor | None] = []
         for layer in range(self.num_layers):
             lengths = self._len[layer]
-            past = max(lengths) if lengths else 0
+            pending = self._pending[layer]
+            past = (max(lengths) if lengths else 0) + pending
             window = self.windows[layer]
             valid = self._valid[layer]
-            key = (tuple(lengths), window, id(valid) if valid is not None else None)
+            key = (tuple(lengths), pending, window, id(valid) if valid is not None else None)
             mask = memo.get(key)
             if mask is None:
                 cols = torch.arange(past, device=device)
                 seen = cols.unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)  # [B, P]
+                if pending:  # entries of earlier forwards since the last commit: a chain the new tokens extend
+                    seen |= cols.unsqueeze(0) >= self._base[layer]
                 seen = seen[:, None, None, :]  # [B, 1, 1, P]
                 if valid is not None:
                     w = min(past, valid.shape[2])

@@ -225,7 +225,8 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
     device = trees[0].tokens.device
     t = max(tree.num_nodes for tree in trees)
     bsz = len(trees)
-    logical = cache.logical_lengths
+    # tokens appended since the last commit (a chain fed forward by forward) come first
+    logical = [n + cache.pending_entries for n in cache.logical_lengths]
     if t == 1:
         ids = torch.tensor([[tree.token_list[0]] for tree in trees], dtype=torch.long, device=device)
         positions = torch.tensor([[n] for n in logical], dtype=torch.long, device=device)
