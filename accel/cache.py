@@ -364,30 +364,37 @@ class SharedCache(TransformersCache):
             steps = [len(r) for r in rows]
         else:
             steps = [int(advance)] * bsz if isinstance(advance, int) else [int(a) for a in advance]
+        memo: dict[tuple, tuple | None] = {}  # index tensors, shared by layers of equal lengths
         for layer in range(self.num_layers):
             t = self._pending[layer]
             if not t:
                 continue
             base = self._base[layer]
             offsets = [list(range(t)) if r is None else list(r) for r in rows]
-            self._move(layer, base, offsets)
+            self._move(layer, base, offsets, memo)
             self._pending[layer] = 0
         self._step_positions = None
         self._masks = [None] * self.num_layers
         self.logical_lengths = [n + s for n, s in zip(self.logical_lengths, steps)]
         self._trim_windows()
 
-    def _move(self, layer: int, base: int, offsets: list[list[int]]) -> None:
+    def _move(self, layer: int, base: int, offsets: list[list[int]], memo: dict[tuple, tuple | None]) -> None:
         """Move row b's appended entries ``base + offsets[b]`` to just behind its committed ones."""
         lengths = self._len[layer]
-        width = max((len(o) for o in offsets), default=0)
-        if width and any(n != base or o != list(range(len(o))) for n, o in zip(lengths, offsets)):
+        key = (base, tuple(lengths))
+        if key not in memo:
+            width = max((len(o) for o in offsets), default=0)
+            memo[key] = None
+            if width and any(n != base or o != list(range(len(o))) for n, o in zip(lengths, offsets)):
+                device = self._k[layer].device
+                src = torch.tensor([[base + x for x in _pad_to(o, width)] for o in offsets], dtype=torch.long,
+                                   device=device)  # [B, A]
+                dst = torch.tensor([[n + i for i in range(width)] for n in lengths], dtype=torch.long, device=device)
+                memo[key] = (torch.arange(len(lengths), device=device).unsqueeze(1), src, dst)
+        moves = memo[key]
+        if moves is not None:
+            rows, src, dst = moves
             k, v, pos = self._k[layer], self._v[layer], self._pos[layer]
-            device = k.device
-            src = torch.tensor([[base + x for x in _pad_to(o, width)] for o in offsets], dtype=torch.long,
-                               device=device)  # [B, A]
-            dst = torch.tensor([[n + i for i in range(width)] for n in lengths], dtype=torch.long, device=device)
-            rows = torch.arange(len(lengths), device=device).unsqueeze(1)  # [B, 1]
             k[rows, :, dst] = k[rows, :, src]
             v[rows, :, dst] = v[rows, :, src]
             if pos is not None:
