@@ -5,9 +5,8 @@ Layout:
 - :mod:`.schema`: the experiment file (pydantic), ``--set`` overrides, :class:`ConfigError`.
 - :mod:`.tasks`: needle / long_doc / chat items, generated from the seed (nothing downloaded).
 - :mod:`.runner`: configurations (HF baselines and accel runs), the warmed-up, interleaved grid.
-- :mod:`.report`: summary.md and the PNG plots.
-
 - :mod:`.batched`: how each configuration runs a batch, and requests arriving over time.
+- :mod:`.report`: summary.md and the PNG plots.
 
 Outputs, in the output folder: ``results.jsonl`` (one row per run; batched and arrivals rows
 carry ``mode`` and a ``rows`` list), ``summary.md``, ``speedup_vs_length.png``,

@@ -111,7 +111,7 @@ class Configuration:
     batch: Callable[[list[TaskItem], int], BatchMeasurement] | None = None
     max_batch: int | None = None
     batch_note: str | None = None
-    serve: Callable[[list[TaskItem], Any, int], BatchMeasurement] | None = None
+    serve: Callable[[list[TaskItem], Arrivals, int], BatchMeasurement] | None = None
     serve_note: str | None = None
 
     def takes(self, batch_size: int) -> bool:
