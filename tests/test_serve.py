@@ -420,3 +420,41 @@ def test_cli_rejects_a_bad_strategy_before_loading(capsys):
 
     assert main(["serve", "--strategy", "warp_drive"]) == 2
     assert "unknown strategy" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ the load script
+
+
+def _load_script():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    if "serve_load" not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
+        spec = importlib.util.spec_from_file_location("serve_load", path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["serve_load"] = module  # dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules["serve_load"]
+
+
+def test_load_script_refuses_other_hosts():
+    load = _load_script()
+    for url in ("http://10.0.0.1:8000", "http://example.com", "http://192.168.1.2", "ftp://127.0.0.1"):
+        with pytest.raises(ValueError):
+            load.loopback_url(url)
+    assert load.loopback_url("http://127.0.0.2:9/") == "http://127.0.0.2:9"
+    assert load.loopback_url("http://[::1]:8000") == "http://[::1]:8000"
+    assert load.loopback_url("http://localhost:8000") == "http://localhost:8000"
+    with pytest.raises(SystemExit):
+        load.main(["--url", "http://10.1.2.3:8000"])
+
+
+def test_load_script_smoke(server, capsys):
+    load = _load_script()
+    assert load.main(["--url", server.url, "--clients", "2", "--requests", "2", "--max-tokens", "4",
+                      "--deadline", "60", "--timeout", "30"]) == 0
+    out = capsys.readouterr().out
+    assert "4 completed, 0 failed, 0 truncated" in out and "TTFT p50" in out
+    assert load.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and load.percentile([], 95) is None
