@@ -103,16 +103,17 @@ StrategySpecs = list[str | dict[str, Any]] | str | dict[str, Any]
 
 
 class _Sampling(_Wire):
+    # null is the field's default, as many OpenAI clients send it for fields left unset
     model: str | None = None
     max_tokens: int | None = Field(None, gt=0)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)  # None: 1.0, as OpenAI
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # extension (as vLLM); 0 or None: off
     stop: str | list[str] | None = None
     seed: int | None = None
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
+    n: Literal[1] | None = None
     user: str | None = None
     accel: StrategySpecs | None = None  # extension: this request's strategies
 
@@ -399,6 +400,7 @@ class _Server:
         self.context_length, self.vocab_size = context_length, vocab_size
         self.default_max_tokens, self.max_body_bytes, self.max_pending = default_max_tokens, max_body_bytes, max_pending
         self.pending = 0
+        self.tokenizer_lock = threading.Lock()  # encoding from several request threads at once
         self.created = int(time.time())
         self.counters: dict[str, Counter] = {name: Counter() for name in _SERVER_HELP}
 
@@ -426,6 +428,10 @@ class _Server:
 
     def job(self, req: _Sampling) -> _Job:
         """Check what pydantic cannot and turn the request into token ids (runs in a thread)."""
+        with self.tokenizer_lock:
+            return self._job(req)
+
+    def _job(self, req: _Sampling) -> _Job:
         if req.model is not None and req.model not in self.names:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_id}'",
                            "model", "model_not_found")
@@ -464,9 +470,10 @@ class _Server:
                            f"exceed this model's context of {self.context_length} tokens", max_name,
                            "context_length_exceeded")
         return _Job(
-            kind=kind, prompt=prompt, max_tokens=max_tokens, temperature=req.temperature,
-            top_p=req.top_p if req.top_p < 1.0 else None, top_k=req.top_k or None, seed=req.seed, stops=stops,
-            strategies=strategies, stream=req.stream,
+            kind=kind, prompt=prompt, max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=req.top_p if req.top_p is not None and req.top_p < 1.0 else None, top_k=req.top_k or None,
+            seed=req.seed, stops=stops, strategies=strategies, stream=bool(req.stream),
             include_usage=bool(req.stream and req.stream_options and req.stream_options.include_usage),
         )
 

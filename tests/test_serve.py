@@ -204,6 +204,19 @@ def test_per_request_strategies(server, http):
     assert snap["accel"]["kv_bytes_kept"] < snap["accel"]["kv_bytes_full"]
 
 
+def test_openai_client_passes_strategies_and_nulls(server, client, http):
+    text, _, _ = chat_reference(server, "hello world", 10)
+    out = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": "hello world"}],
+                                         max_tokens=10, temperature=0,
+                                         extra_body={"accel": [{"name": "prompt_lookup", "num_tokens": 4}]})
+    assert out.choices[0].message.content == text and out.model_extra["accel"]["mean_accepted"] >= 1.0
+    # Clients that send null for unset fields get the defaults.
+    body = {"prompt": "hello world", "max_tokens": 10, "temperature": 0, "top_p": None, "n": None, "stop": None,
+            "stream": None, "seed": None, "accel": None}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
 def test_stop_strings_across_token_boundaries(server, http, client):
     text, _, _ = chat_reference(server, "a big red dog", 24)
     words = text.split(" ")
@@ -364,6 +377,18 @@ def test_client_disconnect_cancels_its_request(server, http):
         time.sleep(0.05)
     r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_client_that_gives_up_on_a_non_streaming_request_cancels_it(server, http):
+    before = _metric(http, "accel_http_cancelled_total")
+    body = {"prompt": "hello", "max_tokens": 400, "temperature": 0}
+    with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30.0, read=0.3)) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post("/v1/completions", json=body)
+    deadline = time.monotonic() + 15
+    while _metric(http, "accel_http_cancelled_total") <= before or _metric(http, "accel_requests_running") > 0:
+        assert time.monotonic() < deadline, http.get("/metrics").text
+        time.sleep(0.05)
 
 
 def test_metrics_are_prometheus_text(http):
