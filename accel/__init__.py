@@ -4,11 +4,12 @@ SnapKV prompt compression and speculative decoding (Medusa heads, prompt lookup)
 shared, compressed KV cache that the verifier and every drafter read.
 """
 
-from .api import GenerateResult, generate
+from .api import GenerateResult, StreamDelta, generate, stream
 from .cache import SharedCache
 from .cpu import prepack
 from .engine import Stats
 from .models import load_default, load_model
+from .service import Delta, Engine, RequestHandle, RequestResult
 from .strategy import (
     REGISTRY,
     AcceptanceRule,
@@ -23,7 +24,13 @@ from .strategy import (
 
 __all__ = [
     "generate",
+    "stream",
     "GenerateResult",
+    "StreamDelta",
+    "Engine",
+    "RequestHandle",
+    "RequestResult",
+    "Delta",
     "Stats",
     "SharedCache",
     "load_model",

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from .tree import DraftTree
 
-__all__ = ["Acceptance", "greedy_accept", "sample_accept", "check_rows", "draw_from"]
+__all__ = ["Acceptance", "greedy_accept", "greedy_path", "sample_accept", "check_rows", "draw_from"]
 
 
 @dataclass
@@ -113,7 +113,11 @@ def greedy_accept(tree: DraftTree, logits: torch.Tensor) -> Acceptance:
     carry the same token); ``next_token = argmax`` at the final node. Exact.
     """
     check_rows(tree, logits, "logits")
-    top = logits.argmax(dim=-1).tolist()  # [N+1], one device sync
+    return greedy_path(tree, logits.argmax(dim=-1).tolist())  # one device sync
+
+
+def greedy_path(tree: DraftTree, top: list[int]) -> Acceptance:
+    """:func:`greedy_accept` given ``top[j] = argmax(logits[j])`` for every node j."""
     node, path = 0, [0]
     while True:
         t = top[node]

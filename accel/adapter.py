@@ -41,8 +41,11 @@ __all__ = [
     "make_warpers",
     "capture_window_queries",
     "per_layer_masks",
+    "layer_windows",
+    "query_groups",
     "packed_gqa_attention",
     "default_eos",
+    "context_length",
 ]
 
 
@@ -93,6 +96,13 @@ def geometry(model: PreTrainedModel) -> Geometry:
         dtype=param.dtype,
         device=param.device,
     )
+
+
+def context_length(model: PreTrainedModel) -> int | None:
+    """The most positions the model was built for (``max_position_embeddings``), or None."""
+    cfg = model.config.get_text_config(decoder=True)
+    limit = getattr(cfg, "max_position_embeddings", None)
+    return int(limit) if limit else None
 
 
 def default_eos(model: PreTrainedModel, tokenizer: Any = None) -> list[int]:
@@ -250,10 +260,15 @@ def _window_queries(module: torch.nn.Module, hidden: torch.Tensor, pos_emb: Any,
 
 
 @contextmanager
-def capture_window_queries(model: PreTrainedModel, cache: Cache, window: int, sink: dict[int, torch.Tensor]) -> Iterator[None]:
+def capture_window_queries(
+    model: PreTrainedModel, cache: Cache, window: int, sink: dict[int, torch.Tensor], ends: torch.Tensor | None = None
+) -> Iterator[None]:
     """While active, each attention layer's last ``window`` queries land in ``sink[layer_idx]``
     before the layer stores its keys in ``cache``.
 
+    ends: LongTensor [B], each row's prompt length when the rows are right-padded (the
+        window of row b is positions ``ends[b] - window .. ends[b] - 1``, clamped at 0);
+        None: every row ends at the last position.
     The hooks only act on forwards that carry this very ``cache``, so concurrent requests
     on the same model do not see each other; they are removed on exit.
     """
@@ -262,11 +277,22 @@ def capture_window_queries(model: PreTrainedModel, cache: Cache, window: int, si
         return
 
     def hook(module, hidden, kwargs):
-        sink[module.layer_idx] = _window_queries(module, hidden, kwargs["position_embeddings"], window)
+        pos_emb = kwargs["position_embeddings"]
+        if ends is not None:
+            idx = (ends.to(hidden.device).unsqueeze(1) - window + torch.arange(window, device=hidden.device)).clamp(min=0)
+            hidden = _take_rows(hidden, idx)
+            pos_emb = tuple(_take_rows(p, idx) if p.shape[0] == hidden.shape[0] else p[:, idx[0]] for p in pos_emb)
+        sink[module.layer_idx] = _window_queries(module, hidden, pos_emb, window)
         return None
 
     with _pre_attention_hook(model, cache, hook):
         yield
+
+
+def _take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x [B, L, ...] at per-row positions idx [B, w] -> [B, w, ...]."""
+    shape = idx.shape + (1,) * (x.dim() - 2)
+    return x.gather(1, idx.view(shape).expand(*idx.shape, *x.shape[2:]))
 
 
 @contextmanager
@@ -292,21 +318,41 @@ def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable) -> Ite
 @contextmanager
 def per_layer_masks(model: PreTrainedModel, cache: Any) -> Iterator[None]:
     """While active, each attention layer of a forward that carries ``cache`` gets the mask
-    ``cache.layer_mask(layer_idx, mask, q_len, groups, dtype)`` instead of the shared one.
-
-    Needed when layers hold different numbers of entries or padded ones (per-head budgets):
-    transformers builds one mask for all layers.
+    ``cache.layer_mask(layer_idx)`` instead of the shared one, whenever the cache built masks
+    that differ between layers (rows of different lengths per layer, per-head padding,
+    sliding windows): transformers builds one mask for all layers of a type.
     """
 
     def hook(module, hidden, kwargs):
-        groups = module.config.num_attention_heads // module.config.num_key_value_heads
-        kwargs["attention_mask"] = cache.layer_mask(
-            module.layer_idx, kwargs.get("attention_mask"), hidden.shape[1], groups, hidden.dtype
-        )
+        if cache.uniform_masks:
+            return None
+        kwargs["attention_mask"] = cache.layer_mask(module.layer_idx)
         return kwargs
 
-    with _pre_attention_hook(model, cache, hook):
-        yield
+    cache.mask_hook = True
+    try:
+        with _pre_attention_hook(model, cache, hook):
+            yield
+    finally:
+        cache.mask_hook = False
+
+
+def layer_windows(model: PreTrainedModel) -> list[int | None]:
+    """Per decoder layer, its sliding-window size (a query at position p sees keys at
+    positions > p - window, as transformers' sliding masks do) or None for full attention."""
+    cfg = model.config.get_text_config(decoder=True)
+    window = getattr(cfg, "sliding_window", None)
+    layers = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        return [window if t == "sliding_attention" and window else None for t in types]
+    return [window if window else None] * layers
+
+
+def query_groups(model: PreTrainedModel) -> int:
+    """Query heads per KV head."""
+    geo = geometry(model)
+    return geo.num_heads // geo.num_kv_heads
 
 
 # --------------------------------------------------------------------------- verify attention

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from . import adapter
-from .engine import DEFAULT_MAX_DRAFT, Stats, decode, plan_strategies
+from .engine import DEFAULT_MAX_DRAFT, Plan, Row, Stats, batch_steps, plan_strategies, run_batch
 from .strategy import Strategy, build_strategies
+from .text import TextStream
 
-__all__ = ["generate", "GenerateResult"]
+__all__ = ["generate", "stream", "GenerateResult", "StreamDelta"]
 
 
 @dataclass
@@ -22,12 +23,27 @@ class GenerateResult:
     sequences: LongTensor [batch, prompt + new]; rows of different lengths are padded on
         the left (prompts) and on the right (finished early) with the pad id.
     text: the decoded new tokens per row when a tokenizer is known, else None.
-    stats: timings, accepted tokens per verify step and KV bytes, summed over rows.
+    stats: the call's figures: wall-clock prefill / decode seconds, tokens, verify steps,
+        accepted tokens and KV bytes summed over rows (aggregate tok/s = decode_tokens / decode_s).
+    row_stats: each row's own Stats (its steps, acceptance, KV bytes, first-token and total
+        latency).
     """
 
     sequences: torch.Tensor
     text: list[str] | None
     stats: Stats
+    row_stats: list[Stats] = field(default_factory=list)
+
+
+@dataclass
+class StreamDelta:
+    """Tokens one row accepted in one step (:func:`stream`)."""
+
+    row: int
+    tokens: list[int]
+    text: str | None
+    finished: bool
+    finish_reason: str | None
 
 
 def _as_rows(inputs: Any, tokenizer: Any, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -51,6 +67,9 @@ def _as_rows(inputs: Any, tokenizer: Any, attention_mask: torch.Tensor | None) -
         raise ValueError(f"input_ids must be [batch, n], got shape {tuple(inputs.shape)}")
     if inputs.shape[1] == 0 or inputs.shape[0] == 0:
         raise ValueError("empty prompt: input_ids has no tokens")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(inputs.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids {tuple(inputs.shape)}: "
+                         "they must match")
     rows = []
     for b in range(inputs.shape[0]):
         row = inputs[b].long()
@@ -62,15 +81,57 @@ def _as_rows(inputs: Any, tokenizer: Any, attention_mask: torch.Tensor | None) -
     return rows
 
 
-def _check_sampling(max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None) -> None:
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+def check_sampling(max_new_tokens: Any, temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """Raise a ValueError naming the argument unless the sampling settings make sense."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 0, got {top_k}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+        raise ValueError(f"temperature must be a number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k must be an integer >= 0, got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
+def check_context(model: Any, prompt_len: int, max_new_tokens: int, where: str = "prompt") -> None:
+    """Raise a ValueError when ``prompt_len + max_new_tokens`` exceeds the model's context."""
+    limit = adapter.context_length(model)
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise ValueError(
+            f"{where} has {prompt_len} tokens and max_new_tokens={max_new_tokens}: {prompt_len + max_new_tokens} "
+            f"exceeds the model's context of {limit} tokens"
+        )
+
+
+def make_rows(model: Any, rows: list[torch.Tensor], plan: Plan, *, max_new_tokens: int, temperature: float,
+              top_k: int | None, top_p: float | None, eos: list[int], seed: int | None) -> list[Row]:
+    """One :class:`~accel.engine.Row` per prompt; row i samples from its own generator,
+    seeded ``seed + i`` (so a row samples what it would sample alone with that seed)."""
+    device = adapter.geometry(model).device
+    warp = adapter.make_warpers(temperature, top_k, top_p)
+    out = []
+    for i, row in enumerate(rows):
+        check_context(model, int(row.numel()), max_new_tokens, where=f"prompt {i}" if len(rows) > 1 else "the prompt")
+        generator = None
+        if warp is not None:
+            row_seed = seed + i if seed is not None else random.randrange(2**63)
+            generator = torch.Generator(device=device).manual_seed(row_seed)
+        out.append(Row(prompt=row.to(device), plan=plan, max_new_tokens=max_new_tokens, eos=frozenset(eos),
+                       warp=warp, generator=generator))
+    return out
+
+
+def _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id, tokenizer, seed,
+             attention_mask):
+    adapter.check_causal_lm(model)
+    check_sampling(max_new_tokens, temperature, top_k, top_p)
+    plan = plan_strategies(build_strategies(strategies))
+    plan.check(model)
+    rows = _as_rows(inputs, tokenizer, attention_mask)
+    eos = adapter.default_eos(model, tokenizer) if eos_token_id is None else (
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+    return make_rows(model, rows, plan, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                     top_p=top_p, eos=eos, seed=seed), eos
 
 
 @torch.inference_mode()
@@ -100,43 +161,58 @@ def generate(
         temperature: 0 for greedy; > 0 samples (losslessly with drafters unless a lossy
             acceptance rule is given). ``top_k`` / ``top_p`` as in transformers.
         eos_token_id: stop token(s); default the model's generation config.
-        seed: seeds the sampler, so sampling is reproducible.
-        max_draft_tokens: the most draft nodes verified in one pass (None: sized to the
-            cache, see :func:`accel.engine.draft_budget`).
+        seed: seeds the sampler, so sampling is reproducible (row i uses ``seed + i``).
+        max_draft_tokens: the most draft nodes a row verifies in one pass (None: sized to
+            the cache and the batch, see :func:`accel.engine.draft_budget`).
 
-    Rows are decoded one after another (each with its own cache), so every row's output is
-    exactly what it would be alone.
+    All rows are decoded together, one verify forward per step for the whole batch (each
+    row with its own cache entries, positions and draft tree), and every row's output is
+    what it would be alone. ``result.row_stats`` has each row's own figures.
     """
-    adapter.check_causal_lm(model)
-    _check_sampling(max_new_tokens, temperature, top_k, top_p)
-    plan = plan_strategies(build_strategies(strategies))
-    rows = _as_rows(inputs, tokenizer, attention_mask)
-    device = adapter.geometry(model).device
-    eos = adapter.default_eos(model, tokenizer) if eos_token_id is None else (
-        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-    warp = adapter.make_warpers(temperature, top_k, top_p)
-    generator = None
-    if warp is not None or plan.rule is not None:
-        generator = torch.Generator(device=device).manual_seed(seed if seed is not None else random.randrange(2**63))
-
-    stats = Stats()
-    outputs = []
-    for row in rows:
-        new, row_stats = decode(
-            model, row.to(device).unsqueeze(0), plan, max_new_tokens=max_new_tokens, eos=eos, warp=warp,
-            generator=generator, max_draft=max_draft_tokens,
-        )
-        stats.merge(row_stats)
-        outputs.append((row.to(device), new))
-
-    sequences = _pad(outputs, _pad_id(model, tokenizer, eos))
+    rows, eos = _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                         tokenizer, seed, attention_mask)
+    stats = run_batch(model, rows, max_draft=max_draft_tokens)
+    outputs = [(r.prompt, r.prompt.new_tensor(r.generated)) for r in rows]
+    sequences = _pad(outputs, pad_id(model, tokenizer, eos))
     text = None
     if tokenizer is not None:
-        text = [tokenizer.decode(new.tolist(), skip_special_tokens=True) for _, new in outputs]
-    return GenerateResult(sequences=sequences, text=text, stats=stats)
+        text = [tokenizer.decode(r.generated, skip_special_tokens=True) for r in rows]
+    return GenerateResult(sequences=sequences, text=text, stats=stats, row_stats=[r.stats for r in rows])
 
 
-def _pad_id(model: Any, tokenizer: Any, eos: list[int]) -> int:
+def stream(
+    model: Any,
+    inputs: torch.Tensor | str | Sequence[str],
+    strategies: Sequence[Strategy | str | dict] | None = (),
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | list[int] | None = None,
+    tokenizer: Any = None,
+    seed: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
+) -> Iterator[StreamDelta]:
+    """:func:`generate`, yielding each row's newly accepted tokens as they are accepted.
+
+    Yields :class:`StreamDelta` (row index, new token ids, their text when ``tokenizer`` is
+    given, and whether the row finished). The arguments are those of :func:`generate`; the
+    work runs in the calling thread, between the yields.
+    """
+    rows, _ = _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                       tokenizer, seed, attention_mask)
+    index = {id(r): i for i, r in enumerate(rows)}
+    texts = [TextStream(tokenizer) if tokenizer is not None else None for _ in rows]
+    for pairs in batch_steps(model, rows, max_draft=max_draft_tokens):
+        for row, new in pairs:
+            i = index[id(row)]
+            if new or row.done:
+                text = texts[i].push(new, final=row.done) if texts[i] is not None else None
+                yield StreamDelta(i, list(new), text, row.done, row.finish_reason)
+
+
+def pad_id(model: Any, tokenizer: Any, eos: list[int]) -> int:
     for pad in (getattr(tokenizer, "pad_token_id", None), getattr(model.generation_config, "pad_token_id", None)):
         if pad is not None:
             return int(pad)

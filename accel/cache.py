@@ -1,209 +1,517 @@
 """The shared, possibly compressed, key-value cache that the verifier and every drafter read.
 
-One :class:`SharedCache` per request. Per layer it stores keys and values
-``[B, H_kv, capacity, D]`` in a growable buffer, of which the first ``physical_length``
-entries are live. It tracks the *logical* length (tokens seen) apart from the *physical*
-length (entries kept): after prompt compression the two differ, and position ids of new
-tokens always come from the logical length, so RoPE of kept entries is never recomputed.
+One :class:`SharedCache` holds every row of a batch. Per layer it stores keys and values
+``[B, H_kv, capacity, D]``; row ``b`` of layer ``l`` keeps its committed entries at columns
+``0 .. lengths[l][b] - 1``, so each row has its own number of kept entries per layer (after
+prompt compression, after ragged acceptance). The cache tracks each row's *logical* length
+(tokens seen) apart from its *physical* lengths (entries kept): position ids of new tokens
+come from the logical length, so RoPE of kept entries is never recomputed.
 
-Three operations:
+A step of the batch works like this:
 
-- :meth:`select` replaces one layer's prompt KV by a subset per KV head (prompt
-  compression; during the prefill it runs inside the layer, so the full prompt KV of all
-  layers never coexists);
-- :meth:`_store` (called by the model's attention through the transformers adapter)
-  appends T entries, e.g. a draft tree for one verification pass;
-- :meth:`commit` keeps only a chosen subset of the entries appended since the last
-  commit (the accepted path), drops the rest and advances the logical length.
+1. :meth:`prepare_step` is given the step's new tokens (positions ``[B, T]`` and the tree
+   part of the mask ``[B, 1, T, T]``) and builds each layer's additive attention mask
+   ``[B, 1 or H_q, T, P + T]``: a row sees its own committed entries, never another row's
+   padding, a dropped entry or (on sliding-window layers) an entry outside its window;
+2. during the forward each layer appends the T new entries of every row at one common
+   column ``P`` (the layer's longest row), see :meth:`_store`;
+3. :meth:`commit` moves each row's accepted entries right behind its committed ones,
+   drops the rest and advances the logical lengths.
+
+Prompt compression runs inside the prefill: :meth:`begin_prefill` installs a per-row
+selection that each layer applies as it stores its prompt keys, so the full prompt KV of
+all layers never coexists. Layers with a sliding window keep only the entries their window
+can still see (they are never compressed: their memory is bounded by the window already).
+
+Rows join with :meth:`extend` (the rows of another cache, e.g. freshly prefilled requests)
+and leave with :meth:`remove` (the last row moves into the freed slot: one row copied per
+departure, nothing on the steps in between).
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from .adapter import TransformersCache
 
-__all__ = ["SharedCache"]
+__all__ = ["SharedCache", "RowSelector"]
 
 # Entries appended beyond the current need when a buffer grows, so a decode step rarely copies.
 _GROW = 256
 
-# (layer_idx, keys, values) -> (indices [B, H_kv, K], valid [B, H_kv, K] | None) or None
-PrefillHook = Callable[[int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None] | None"]
+# (layer_idx, row, keys [1, H_kv, n, D], values) -> (indices [1, H_kv, K], valid [1, H_kv, K] | None) | None
+RowSelector = Callable[[int, int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None] | None"]
+
+
+@dataclass
+class _Prefill:
+    lengths: list[int]  # prompt tokens per row (rows are right-padded to max)
+    select: RowSelector | None
 
 
 class SharedCache(TransformersCache):
-    """A transformers ``Cache`` with logical vs physical length and select / append / commit.
+    """A batched transformers ``Cache`` with per-row logical and physical lengths.
 
     Args:
         num_layers: decoder layers of the model.
+        windows: per layer, the sliding-window size of that layer's attention (a query at
+            position p sees keys at positions > p - window), or None for full attention;
+            ``None`` means no layer has a window.
     """
 
-    def __init__(self, num_layers: int):
+    def __init__(self, num_layers: int, windows: Sequence[int | None] | None = None):
         super().__init__(num_layers)
         self.num_layers = num_layers
-        self._k: list[torch.Tensor | None] = [None] * num_layers  # [B, H_kv, cap, D]
+        self.windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
+        if len(self.windows) != num_layers:
+            raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
+        self._k: list[torch.Tensor | None] = [None] * num_layers  # [Bcap, H_kv, cap, D]
         self._v: list[torch.Tensor | None] = [None] * num_layers
-        self._len = [0] * num_layers  # physical entries per layer
-        self._pending = [0] * num_layers  # entries appended since the last commit
-        self._valid: list[torch.Tensor | None] = [None] * num_layers  # [B, H_kv, K] of selected entries
-        self.logical_length = 0
-        self.prefill_hook: PrefillHook | None = None
-        # True once some layer holds padded entries (per-head budgets): attention then needs
-        # a per-layer mask, see :meth:`layer_mask`.
-        self.ragged = False
+        self._len: list[list[int]] = [[] for _ in range(num_layers)]  # committed entries per layer, per row
+        self._base = [0] * num_layers  # column where this step's appended entries start
+        self._pending = [0] * num_layers  # entries appended per row since the last commit
+        # [Bcap, H_kv, W] validity of the first W entries of a layer whose heads keep different
+        # counts (per-head budgets); None when every committed entry is valid.
+        self._valid: list[torch.Tensor | None] = [None] * num_layers
+        # [Bcap, cap] logical position of every entry, on sliding-window layers only.
+        self._pos: list[torch.Tensor | None] = [None] * num_layers
+        self.logical_lengths: list[int] = []
+        self._prefill: _Prefill | None = None
+        self._masks: list[torch.Tensor | None] = [None] * num_layers
+        self._step_positions: torch.Tensor | None = None  # [B, T] of the step being verified
+        # Rows to allocate room for when the batch grows (a service sets its max batch).
+        self.row_capacity = 0
+        self.mask_hook = False  # set while the adapter's per-layer mask hook serves this cache
 
     # ------------------------------------------------------------------ lengths and bytes
 
+    @property
+    def batch_size(self) -> int:
+        return len(self.logical_lengths)
+
+    @property
+    def logical_length(self) -> int:
+        """The logical length of a single-row cache (tokens seen)."""
+        if self.batch_size != 1:
+            raise ValueError(f"logical_length is per row on a batch of {self.batch_size}; use logical_lengths")
+        return self.logical_lengths[0]
+
     def physical_length(self, layer_idx: int = 0) -> int:
-        return self._len[layer_idx]
+        """Columns in use in one layer: the longest row's committed entries plus this step's."""
+        rows = self._len[layer_idx]
+        return (max(rows) if rows else 0) + self._pending[layer_idx]
+
+    def row_lengths(self, layer_idx: int = 0) -> list[int]:
+        """Committed entries of each row in one layer."""
+        return list(self._len[layer_idx])
 
     def committed_length(self, layer_idx: int = 0) -> int:
-        """Physical entries not counting uncommitted appends."""
-        return self._len[layer_idx] - self._pending[layer_idx]
+        """Longest row's committed entries in one layer (uncommitted appends not counted)."""
+        rows = self._len[layer_idx]
+        return max(rows) if rows else 0
 
-    def kept_bytes(self) -> int:
-        """Bytes of the live K and V entries over all layers."""
+    @property
+    def ragged(self) -> bool:
+        """True when layers need masks of their own (rows of different lengths, per-head
+        padding, sliding windows): the model's single mask does not serve every layer."""
+        return any(v is not None for v in self._valid) or any(w is not None for w in self.windows) or any(
+            self._len[layer] != self._len[0] for layer in range(1, self.num_layers)
+        )
+
+    def kept_bytes(self, row: int | None = None) -> int:
+        """Bytes of the committed K and V entries over all layers (of one row, or all)."""
         total = 0
-        for k, n in zip(self._k, self._len):
-            if k is not None:
-                total += 2 * n * k.shape[0] * k.shape[1] * k.shape[3] * k.element_size()
+        for k, rows in zip(self._k, self._len):
+            if k is None:
+                continue
+            n = sum(rows) if row is None else rows[row]
+            total += 2 * n * k.shape[1] * k.shape[3] * k.element_size()
         return total
 
-    def keys(self, layer_idx: int) -> torch.Tensor:
-        """Live keys of one layer, [B, H_kv, physical_length, D] (a view)."""
-        return self._k[layer_idx][:, :, : self._len[layer_idx]]
+    def keys(self, layer_idx: int, row: int = 0) -> torch.Tensor:
+        """Committed keys of one row and layer, [1, H_kv, n, D] (a view)."""
+        return self._k[layer_idx][row : row + 1, :, : self._len[layer_idx][row]]
 
-    def values(self, layer_idx: int) -> torch.Tensor:
-        return self._v[layer_idx][:, :, : self._len[layer_idx]]
+    def values(self, layer_idx: int, row: int = 0) -> torch.Tensor:
+        """Committed values of one row and layer, [1, H_kv, n, D] (a view)."""
+        return self._v[layer_idx][row : row + 1, :, : self._len[layer_idx][row]]
+
+    def entry_valid(self, layer_idx: int, row: int = 0) -> torch.Tensor | None:
+        """[H_kv, n] validity of one row's committed entries, None when all are valid."""
+        valid = self._valid[layer_idx]
+        if valid is None:
+            return None
+        n = self._len[layer_idx][row]
+        out = torch.ones(valid.shape[1], n, dtype=torch.bool, device=valid.device)
+        w = min(n, valid.shape[2])
+        out[:, :w] = valid[row, :, :w]
+        return out
 
     # ------------------------------------------------------------------ storage
 
-    def _reserve(self, layer_idx: int, needed: int, like: torch.Tensor) -> None:
-        k = self._k[layer_idx]
-        if k is not None and k.shape[2] >= needed:
+    def _reserve(self, layer: int, rows: int, cols: int, like: torch.Tensor) -> None:
+        """Make layer storage hold at least ``rows`` x ``cols`` entries, keeping its content."""
+        k = self._k[layer]
+        if k is not None and k.shape[0] >= rows and k.shape[2] >= cols:
             return
-        b, h, _, d = like.shape
-        cap = needed + _GROW
-        nk = like.new_empty((b, h, cap, d))
-        nv = like.new_empty((b, h, cap, d))
-        n = self._len[layer_idx]
-        if k is not None and n:
-            nk[:, :, :n] = k[:, :, :n]
-            nv[:, :, :n] = self._v[layer_idx][:, :, :n]
-        self._k[layer_idx], self._v[layer_idx] = nk, nv
-
-    def _put(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        n, t = self._len[layer_idx], keys.shape[2]
-        self._reserve(layer_idx, n + t, keys)
-        self._k[layer_idx][:, :, n : n + t] = keys
-        self._v[layer_idx][:, :, n : n + t] = values
-        self._len[layer_idx] = n + t
+        h, d = like.shape[1], like.shape[3]
+        old_rows = k.shape[0] if k is not None else 0
+        old_cols = k.shape[2] if k is not None else 0
+        new_rows = max(rows, old_rows, min(self.row_capacity, 2 * old_rows) if rows > old_rows else 0)
+        new_cols = max(old_cols, cols + _GROW) if (k is None or cols > old_cols) else old_cols
+        nk = like.new_empty((new_rows, h, new_cols, d))
+        nv = like.new_empty((new_rows, h, new_cols, d))
+        live = min(len(self._len[layer]), old_rows)
+        used = self.physical_length(layer)
+        if k is not None and live and used:
+            nk[:live, :, :used] = k[:live, :, :used]
+            nv[:live, :, :used] = self._v[layer][:live, :, :used]
+        self._k[layer], self._v[layer] = nk, nv
+        pos = self._pos[layer]
+        if self.windows[layer] is not None:
+            npos = torch.full((new_rows, new_cols), -1, dtype=torch.long, device=like.device)
+            if pos is not None and live and used:
+                npos[:live, :used] = pos[:live, :used]
+            self._pos[layer] = npos
+        valid = self._valid[layer]
+        if valid is not None and valid.shape[0] < new_rows:
+            nvalid = torch.ones((new_rows, *valid.shape[1:]), dtype=torch.bool, device=valid.device)
+            nvalid[: valid.shape[0]] = valid
+            self._valid[layer] = nvalid
 
     def _store(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
-        """Called by attention layer ``layer_idx`` with new entries [B, H_kv, T, D]."""
-        if self.prefill_hook is not None and self._len[layer_idx] == 0:
-            # Prefill of an empty layer: the layer attends to the full prompt, but only the
-            # selected entries are stored, so each layer is compressed before the next runs.
-            selection = self.prefill_hook(layer_idx, keys, values)
-            if selection is None:
-                self._put(layer_idx, keys, values)
-            else:
-                indices, valid = selection
-                self._put(layer_idx, *self._gather(keys, values, indices))
-                self._set_valid(layer_idx, valid)
-            return keys, values
-        self._put(layer_idx, keys, values)
-        self._pending[layer_idx] += keys.shape[2]
-        return self.keys(layer_idx), self.values(layer_idx)
+        """Called by attention layer ``layer_idx`` with new entries [B, H_kv, T, D]; returns
+        what that layer attends to."""
+        if self._prefill is not None and not self._len[layer_idx]:
+            self._store_prompt(layer_idx, keys, values)
+            return keys, values  # the prompt attends to the whole prompt
+        bsz, t = keys.shape[0], keys.shape[2]
+        if not self.batch_size and self._prefill is None:  # a bare forward on an empty cache: B empty rows
+            self.logical_lengths = [0] * bsz
+            self._len = [[0] * bsz for _ in range(self.num_layers)]
+        if bsz != self.batch_size:
+            raise ValueError(f"the forward has {bsz} rows but the cache holds {self.batch_size}")
+        base = self.physical_length(layer_idx)
+        self._reserve(layer_idx, bsz, base + t, keys)
+        self._k[layer_idx][:bsz, :, base : base + t] = keys
+        self._v[layer_idx][:bsz, :, base : base + t] = values
+        if self._pos[layer_idx] is not None and self._step_positions is not None:
+            self._pos[layer_idx][:bsz, base : base + t] = self._step_positions
+        if not self._pending[layer_idx]:
+            self._base[layer_idx] = base
+        self._pending[layer_idx] += t
+        end = base + t
+        return self._k[layer_idx][:bsz, :, :end], self._v[layer_idx][:bsz, :, :end]
 
-    @staticmethod
-    def _gather(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor):
-        idx = indices.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
-        return keys.gather(2, idx), values.gather(2, idx)
+    # ------------------------------------------------------------------ prefill
 
-    # ------------------------------------------------------------------ operations
+    def begin_prefill(self, lengths: Sequence[int], select: RowSelector | None = None) -> None:
+        """Prepare an empty cache for a prefill of ``len(lengths)`` right-padded prompts.
 
-    def _set_valid(self, layer_idx: int, valid: torch.Tensor | None) -> None:
-        if valid is not None and not bool(valid.all()):
-            self._valid[layer_idx] = valid.bool()
-            self.ragged = True
-        else:
-            self._valid[layer_idx] = None
-
-    def select(self, layer_idx: int, indices: torch.Tensor, valid: torch.Tensor | None = None) -> None:
-        """Keep only ``indices`` [B, H_kv, K] (positions into the layer's stored entries,
-        ascending per head) of one layer.
-
-        Every KV head stores K entries; with ``valid`` [B, H_kv, K] some of them are padding
-        (heads keeping fewer than K), masked out of attention by :meth:`layer_mask`.
+        select: called per layer and row with that row's prompt entries
+            ``[1, H_kv, n, D]``; returns (indices [1, H_kv, K] ascending, valid [1, H_kv, K] or
+            None) to keep, or None to keep all. Sliding-window layers are not offered to it.
         """
-        if self._pending[layer_idx]:
-            raise RuntimeError("select() on a layer with uncommitted entries; commit() first")
-        k, v = self._gather(self.keys(layer_idx), self.values(layer_idx), indices)
-        self._k[layer_idx], self._v[layer_idx], self._len[layer_idx] = None, None, 0
-        self._put(layer_idx, k, v)
-        self._set_valid(layer_idx, valid)
+        if self.batch_size:
+            raise RuntimeError("begin_prefill() on a cache that already holds rows; prefill a new cache and extend()")
+        self._prefill = _Prefill(list(lengths), select)
+        self.logical_lengths = [0] * len(lengths)
+        self._len = [[] for _ in range(self.num_layers)]
 
-    def layer_mask(self, layer_idx: int, mask: torch.Tensor | None, q_len: int, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """The additive attention mask of one layer for ``q_len`` new tokens, when layers
-        differ in length or hold padding.
+    def end_prefill(self) -> None:
+        """Finish the prefill: every row's logical length is its prompt length."""
+        if self._prefill is None:
+            raise RuntimeError("end_prefill() without begin_prefill()")
+        self.logical_lengths = list(self._prefill.lengths)
+        self._prefill = None
 
-        mask: the forward's shared mask, [1, 1, q_len, P0 + q_len] or None (then the new
-            tokens are one, or causal among themselves); only its last q_len columns (the
-            new tokens' part) are used.
-        groups: query heads per KV head. Returns [B, H_q, q_len, P + q_len], P being this
-        layer's committed entries.
-        """
-        past = self.committed_length(layer_idx)
-        like = self._k[layer_idx]
-        b, h = like.shape[:2]
-        low = torch.finfo(dtype).min
-        prefix = torch.zeros((b, h, past), dtype=dtype, device=like.device)
-        valid = self._valid[layer_idx]
-        if valid is not None:
-            prefix[:, :, : valid.shape[2]].masked_fill_(~valid, low)
-        prefix = prefix.repeat_interleave(groups, dim=1).unsqueeze(2).expand(-1, -1, q_len, -1)
-        if mask is not None:
-            new = mask[..., -q_len:].to(dtype)
-        else:
-            new = torch.zeros((q_len, q_len), dtype=dtype, device=like.device)
-            new.masked_fill_(torch.ones_like(new, dtype=torch.bool).triu(1), low)
-        new = new.expand(b, h * groups, q_len, q_len)
-        return torch.cat([prefix, new], dim=-1)
-
-    def commit(self, keep: torch.Tensor | list[int] | None = None, advance: int | None = None) -> None:
-        """Keep the appended entries at offsets ``keep`` (relative to the first entry
-        appended since the last commit, ascending), drop the other appended entries, and
-        advance the logical length by ``advance`` (default: the number kept).
-
-        ``keep=None`` keeps every appended entry.
-        """
-        if keep is not None:
-            offsets = torch.as_tensor(keep, dtype=torch.long)
-            count = int(offsets.numel())
-            moved = bool(count) and not torch.equal(offsets, torch.arange(count))
-        for layer in range(self.num_layers):
-            pending = self._pending[layer]
-            if not pending:
+    def _store_prompt(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        prefill = self._prefill
+        window = self.windows[layer]
+        kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        for row, n in enumerate(prefill.lengths):
+            k, v = keys[row : row + 1, :, :n], values[row : row + 1, :, :n]
+            positions = None
+            if window is not None:
+                start = max(0, n - window)
+                k, v = k[:, :, start:], v[:, :, start:]
+                positions = torch.arange(start, n, device=keys.device)
+                kept.append((k, v, None, positions))
                 continue
-            base = self._len[layer] - pending
-            kept = pending if keep is None else count
-            if keep is not None and moved:
-                src = offsets.to(self._k[layer].device) + base
-                k, v = self._k[layer], self._v[layer]
-                k[:, :, base : base + kept] = k.index_select(2, src)
-                v[:, :, base : base + kept] = v.index_select(2, src)
-            self._len[layer] = base + kept
-            self._pending[layer] = 0
+            sel = prefill.select(layer, row, k, v) if prefill.select is not None else None
+            valid = None
+            if sel is not None:
+                indices, valid = sel
+                k, v = _gather(k, v, indices)
+                if valid is not None and bool(valid.all()):
+                    valid = None
+            kept.append((k, v, valid, positions))
+        bsz = len(kept)
+        counts = [k.shape[2] for k, *_ in kept]
+        self._reserve(layer, bsz, max(counts), keys)
+        width = max((valid.shape[2] for _, _, valid, _ in kept if valid is not None), default=0)
+        if width:
+            self._valid[layer] = torch.ones((self._k[layer].shape[0], keys.shape[1], width), dtype=torch.bool,
+                                            device=keys.device)
+        for row, (k, v, valid, positions) in enumerate(kept):
+            n = k.shape[2]
+            self._k[layer][row, :, :n] = k[0]
+            self._v[layer][row, :, :n] = v[0]
+            if valid is not None:
+                self._valid[layer][row, :, : valid.shape[2]] = valid[0]
+            if positions is not None:
+                self._pos[layer][row, :n] = positions
+        self._len[layer] = counts
+
+    # ------------------------------------------------------------------ masks
+
+    def prepare_step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None, dtype: torch.dtype,
+                     groups: int) -> torch.Tensor | None:
+        """Build every layer's attention mask for one forward of T new tokens per row.
+
+        positions: LongTensor [B, T], each new token's logical position.
+        tree_mask: BoolTensor [B, T, T], True where new token i may see new token j (its
+            ancestors and itself), or None for T == 1.
+        groups: query heads per KV head (per-head masks are given per query head).
+        Returns the mask to hand the model ([B, 1, T, P + T] additive, of ``dtype``), or
+        None when a plain causal mask over the cache is right (one token per row, every row
+        of every layer the same length, nothing padded). Layers whose mask differs get
+        theirs through :meth:`layer_mask` (the adapter's per-layer hook asks for it).
+        """
+        bsz, t = positions.shape
+        self._step_positions = positions
+        if t == 1 and not self.ragged and len(set(self._len[0])) <= 1:
+            self._masks = [None] * self.num_layers
+            return None
+        device = positions.device
+        low = torch.finfo(dtype).min
+        if tree_mask is None:
+            tree_mask = torch.ones((bsz, 1, 1), dtype=torch.bool, device=device)
+        memo: dict[tuple, torch.Tensor] = {}
+        masks: list[torch.Tensor | None] = []
+        for layer in range(self.num_layers):
+            lengths = self._len[layer]
+            past = max(lengths) if lengths else 0
+            window = self.windows[layer]
+            valid = self._valid[layer]
+            key = (tuple(lengths), window, id(valid) if valid is not None else None)
+            mask = memo.get(key)
+            if mask is None:
+                cols = torch.arange(past, device=device)
+                seen = cols.unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)  # [B, P]
+                seen = seen[:, None, None, :]  # [B, 1, 1, P]
+                if valid is not None:
+                    w = min(past, valid.shape[2])
+                    head_ok = torch.ones((bsz, valid.shape[1], past), dtype=torch.bool, device=device)
+                    head_ok[:, :, :w] = valid[:bsz, :, :w]
+                    seen = seen & head_ok.repeat_interleave(groups, dim=1).unsqueeze(2)  # [B, H_q, 1, P]
+                new = tree_mask.unsqueeze(1)  # [B, 1, T, T]
+                if window is not None:
+                    kept_pos = self._pos[layer][:bsz, :past]  # [B, P]
+                    near = positions.unsqueeze(-1) - kept_pos.unsqueeze(1) < window  # [B, T, P]
+                    seen = seen & near.unsqueeze(1)
+                    gap = positions.unsqueeze(-1) - positions.unsqueeze(1) < window  # [B, T, T]
+                    new = new & gap.unsqueeze(1)
+                heads = seen.shape[1]
+                seen = seen.expand(bsz, heads, t, past)
+                allowed = torch.cat([seen, new.expand(bsz, heads, t, t)], dim=-1)
+                mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, low)
+                memo[key] = mask
+            masks.append(mask)
+        self._masks = masks
+        return masks[0]
+
+    def layer_mask(self, layer_idx: int) -> torch.Tensor | None:
+        """The mask :meth:`prepare_step` built for one layer (None: the model's own)."""
+        return self._masks[layer_idx]
+
+    @property
+    def uniform_masks(self) -> bool:
+        """Whether every layer uses the same mask this step (no per-layer hook needed)."""
+        first = self._masks[0]
+        return all(m is first for m in self._masks)
+
+    # ------------------------------------------------------------------ commit
+
+    def commit(self, keep: Sequence[Sequence[int] | None] | Sequence[int] | torch.Tensor | None = None,
+               advance: int | Sequence[int] | None = None) -> None:
+        """Keep, per row, the appended entries at offsets ``keep[b]`` (relative to the first
+        entry appended since the last commit, ascending), drop the other appended entries,
+        and advance each row's logical length by ``advance`` (default: the number kept).
+
+        On a single-row cache ``keep`` may be one list of offsets. ``keep=None`` (or a row's
+        None) keeps every appended entry.
+        """
+        bsz = self.batch_size
+        rows = _per_row(keep, bsz)
         if advance is None:
-            advance = len(keep) if keep is not None else None
-            if advance is None:
+            if any(r is None for r in rows):
                 raise ValueError("commit(keep=None) needs advance=")
-        self.logical_length += int(advance)
+            steps = [len(r) for r in rows]
+        else:
+            steps = [int(advance)] * bsz if isinstance(advance, int) else [int(a) for a in advance]
+        for layer in range(self.num_layers):
+            t = self._pending[layer]
+            if not t:
+                continue
+            base = self._base[layer]
+            offsets = [list(range(t)) if r is None else list(r) for r in rows]
+            self._move(layer, base, offsets)
+            self._pending[layer] = 0
+        self._step_positions = None
+        self._masks = [None] * self.num_layers
+        self.logical_lengths = [n + s for n, s in zip(self.logical_lengths, steps)]
+        self._trim_windows()
+
+    def _move(self, layer: int, base: int, offsets: list[list[int]]) -> None:
+        """Move row b's appended entries ``base + offsets[b]`` to just behind its committed ones."""
+        lengths = self._len[layer]
+        width = max((len(o) for o in offsets), default=0)
+        if width and any(n != base or o != list(range(len(o))) for n, o in zip(lengths, offsets)):
+            k, v, pos = self._k[layer], self._v[layer], self._pos[layer]
+            device = k.device
+            src = torch.tensor([[base + x for x in _pad_to(o, width)] for o in offsets], dtype=torch.long,
+                               device=device)  # [B, A]
+            dst = torch.tensor([[n + i for i in range(width)] for n in lengths], dtype=torch.long, device=device)
+            rows = torch.arange(len(lengths), device=device).unsqueeze(1)  # [B, 1]
+            k[rows, :, dst] = k[rows, :, src]
+            v[rows, :, dst] = v[rows, :, src]
+            if pos is not None:
+                pos[rows, dst] = pos[rows, src]
+        self._len[layer] = [n + len(o) for n, o in zip(lengths, offsets)]
 
     def rollback(self) -> None:
         """Drop every entry appended since the last commit."""
-        self.commit(keep=[], advance=0)
+        self.commit(keep=[[] for _ in range(self.batch_size)], advance=0)
+
+    def _trim_windows(self) -> None:
+        """Drop, on sliding-window layers, the entries no future query can see (amortised:
+        once a row holds more than its window plus the growth slack)."""
+        for layer, window in enumerate(self.windows):
+            if window is None or not self._len[layer] or max(self._len[layer]) <= window + _GROW:
+                continue
+            pos = self._pos[layer]
+            keep = []
+            for row, (n, logical) in enumerate(zip(self._len[layer], self.logical_lengths)):
+                row_pos = pos[row, :n]
+                keep.append(torch.nonzero(row_pos >= logical - window).flatten().tolist())
+            self._compact(layer, keep)
+
+    def _compact(self, layer: int, keep: list[list[int]]) -> None:
+        """Keep, per row, only the committed entries at ``keep[b]`` (ascending)."""
+        width = max((len(o) for o in keep), default=0)
+        k, v, pos = self._k[layer], self._v[layer], self._pos[layer]
+        device = k.device
+        src = torch.tensor([_pad_to(o, width) for o in keep], dtype=torch.long, device=device)
+        dst = torch.arange(width, device=device).expand(len(keep), width)
+        rows = torch.arange(len(keep), device=device).unsqueeze(1)
+        k[rows, :, dst] = k[rows, :, src]
+        v[rows, :, dst] = v[rows, :, src]
+        if pos is not None:
+            pos[rows, dst] = pos[rows, src]
+        self._len[layer] = [len(o) for o in keep]
+
+    # ------------------------------------------------------------------ rows
+
+    def select(self, layer_idx: int, indices: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Keep only ``indices`` [B, H_kv, K] (positions into each row's committed entries,
+        ascending per head) of one layer; ``valid`` [B, H_kv, K] marks padding (heads keeping
+        fewer than K entries), masked out of attention."""
+        if self._pending[layer_idx]:
+            raise RuntimeError("select() on a layer with uncommitted entries; commit() first")
+        bsz = self.batch_size
+        k, v = _gather(self._k[layer_idx][:bsz], self._v[layer_idx][:bsz], indices)
+        self._k[layer_idx], self._v[layer_idx] = None, None
+        width = indices.shape[2]
+        self._reserve(layer_idx, bsz, width, k)
+        self._k[layer_idx][:bsz, :, :width] = k
+        self._v[layer_idx][:bsz, :, :width] = v
+        self._len[layer_idx] = [width] * bsz
+        self._valid[layer_idx] = None if valid is None or bool(valid.all()) else valid.bool().clone()
+
+    def extend(self, other: "SharedCache") -> None:
+        """Append the rows of ``other`` (a cache of the same model, nothing uncommitted)."""
+        if other.num_layers != self.num_layers or other.windows != self.windows:
+            raise ValueError("extend() needs a cache of the same model (layers and windows)")
+        if any(self._pending) or any(other._pending):
+            raise RuntimeError("extend() with uncommitted entries; commit() first")
+        start, add = self.batch_size, other.batch_size
+        for layer in range(self.num_layers):
+            ok = other._k[layer]
+            if ok is None:
+                continue
+            n = other.committed_length(layer)
+            self._reserve(layer, start + add, max(self.committed_length(layer), n), ok)
+            self._k[layer][start : start + add, :, :n] = ok[:add, :, :n]
+            self._v[layer][start : start + add, :, :n] = other._v[layer][:add, :, :n]
+            if self._pos[layer] is not None:
+                self._pos[layer][start : start + add, :n] = other._pos[layer][:add, :n]
+            ov, sv = other._valid[layer], self._valid[layer]
+            if ov is not None or sv is not None:
+                width = max(ov.shape[2] if ov is not None else 0, sv.shape[2] if sv is not None else 0)
+                merged = torch.ones((self._k[layer].shape[0], ok.shape[1], width), dtype=torch.bool, device=ok.device)
+                if sv is not None:
+                    merged[:start, :, : sv.shape[2]] = sv[:start]
+                if ov is not None:
+                    merged[start : start + add, :, : ov.shape[2]] = ov[:add]
+                self._valid[layer] = merged
+            self._len[layer] = self._len[layer] + other._len[layer]
+        self.logical_lengths = self.logical_lengths + other.logical_lengths
+
+    def remove(self, row: int) -> None:
+        """Remove one row; the last row moves into its slot (so row indices above change:
+        the caller mirrors the move)."""
+        if any(self._pending):
+            raise RuntimeError("remove() with uncommitted entries; commit() first")
+        last = self.batch_size - 1
+        for layer in range(self.num_layers):
+            if self._k[layer] is None:
+                continue
+            if row != last:
+                n = self._len[layer][last]
+                self._k[layer][row, :, :n] = self._k[layer][last, :, :n]
+                self._v[layer][row, :, :n] = self._v[layer][last, :, :n]
+                if self._pos[layer] is not None:
+                    self._pos[layer][row, :n] = self._pos[layer][last, :n]
+                if self._valid[layer] is not None:
+                    self._valid[layer][row] = self._valid[layer][last]
+                self._len[layer][row] = n
+            self._len[layer].pop()
+            if self._valid[layer] is not None:
+                self._valid[layer][last] = True
+                if not self._len[layer]:
+                    self._valid[layer] = None
+        self.logical_lengths[row] = self.logical_lengths[last]
+        self.logical_lengths.pop()
+        if not self.batch_size:  # free the storage of an empty batch
+            self._k = [None] * self.num_layers
+            self._v = [None] * self.num_layers
+            self._pos = [None] * self.num_layers
+            self._len = [[] for _ in range(self.num_layers)]
+
+
+def _gather(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor):
+    idx = indices.unsqueeze(-1).expand(-1, -1, -1, keys.shape[-1])
+    return keys.gather(2, idx), values.gather(2, idx)
+
+
+def _pad_to(offsets: list[int], width: int) -> list[int]:
+    """``offsets`` padded to ``width`` by repeating its last element (or 0)."""
+    fill = offsets[-1] if offsets else 0
+    return list(offsets) + [fill] * (width - len(offsets))
+
+
+def _per_row(keep, bsz: int) -> list[list[int] | None]:
+    if keep is None:
+        return [None] * bsz
+    if isinstance(keep, torch.Tensor):
+        keep = keep.tolist()
+    keep = list(keep)
+    if bsz == 1 and (not keep or not isinstance(keep[0], (list, tuple)) and keep[0] is not None):
+        return [[int(x) for x in keep]]
+    if len(keep) != bsz:
+        raise ValueError(f"commit() got offsets for {len(keep)} rows, the cache holds {bsz}")
+    return [None if r is None else [int(x) for x in r] for r in keep]

@@ -1,10 +1,12 @@
-"""The decode loop as small functions: prefill, propose, verify, accept, commit.
+"""The decode loop as small functions: prefill, propose, verify, accept, commit; and the
+:class:`Batch` that runs them for many requests at once.
 
-One request decodes one sequence (batch row). Each verify step feeds the *root* (the
-pending token: sampled last step, its KV not yet computed) plus a draft tree below it in one
-forward pass over the shared cache, accepts the longest path the verifier agrees with, keeps
-only that path's KV entries, and samples the bonus token, which becomes the next root.
-Plain decoding is the same loop with a root-only tree.
+Every live row of a batch is verified in ONE forward pass per step (BASS, Qi et al. 2024).
+Each row feeds its *root* (the pending token: sampled last step, its KV not yet computed)
+plus its own draft tree; the trees are padded to the step's largest, with per-row position
+ids and one mask over stored plus new entries. Acceptance and commit are per row, so rows
+accept different numbers of tokens (ragged acceptance) and each row's output is what it
+would be alone. Plain decoding is the same loop with root-only trees.
 """
 
 from __future__ import annotations
@@ -12,34 +14,41 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
 from . import adapter
-from .acceptance import Acceptance, greedy_accept, sample_accept
+from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
-from .tree import DraftTree, merge_proposals, tree_attention_bias, tree_position_ids
 from .strategy import DraftContext, Drafter, PromptCompressor, Strategy
+from .tree import DraftTree, merge_proposals
 
-__all__ = ["Stats", "Plan", "plan_strategies", "prefill", "propose", "verify", "accept", "commit", "decode"]
+__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "propose", "verify", "accept", "commit",
+           "decode", "draft_budget", "batch_steps", "run_batch"]
 
 # Largest draft tree verified in one pass, by cache size, unless the caller sets one. Measured
-# on the default model, 2-core CPU, float32, weights prepacked (benchmarks/verify_cost.py):
-# relative to a plain step, verifying 1-7 drafts costs ~1.2x at 512 cached entries and
-# 1.2-1.45x at 4K; 15 drafts ~1.5x at 512 but ~1.8x at 4K and ~2.2x at 7.7K (attention over
-# the cache for many query rows is what grows). A compressed cache therefore affords wider trees.
+# on the default model, 2-core CPU, float32, weights prepacked (benchmarks/verify_cost.py).
 DEFAULT_MAX_DRAFT: int | None = None
 
+Warp = Callable[[torch.Tensor], torch.Tensor]
 
-def draft_budget(cached_entries: int) -> int:
-    """Draft nodes worth verifying in one pass over ``cached_entries`` stored entries."""
-    return 15 if cached_entries < 2048 else 7
+
+def draft_budget(cached_entries: int, batch: int = 1) -> int:
+    """Draft nodes per row worth verifying in one pass over ``cached_entries`` stored entries
+    with ``batch`` rows (the static rule used when no measured cost table applies)."""
+    per_row = 15 if cached_entries < 2048 else 7
+    return per_row if batch <= 1 else max(0, min(per_row, 16 // batch - 1))
 
 
 @dataclass
 class Stats:
-    """Measurements of one generate call (summed over batch rows)."""
+    """Measurements of one request, or (summed) of a whole generate call.
+
+    The seconds of a batched call are wall-clock times of the call: ``prefill_s`` the
+    prefills, ``decode_s`` the verify steps; per-row stats carry ``first_token_s`` (submit to
+    first token) and ``latency_s`` (submit to last token) as well.
+    """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -51,6 +60,8 @@ class Stats:
     decode_tokens: int = 0  # tokens emitted by the verify steps (after the prefill's first one)
     kv_bytes_full: int = 0  # what an uncompressed cache would hold for the same tokens
     kv_bytes_kept: int = 0  # what the shared cache holds
+    first_token_s: float = 0.0
+    latency_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)  # accepted drafts, per step
 
     @property
@@ -66,9 +77,12 @@ class Stats:
     def kv_compression(self) -> float:
         return self.kv_bytes_full / self.kv_bytes_kept if self.kv_bytes_kept else 1.0
 
+    _SUMMED = ("prompt_tokens", "new_tokens", "prefill_s", "decode_s", "verify_steps", "drafted_tokens",
+               "accepted_tokens", "decode_tokens", "kv_bytes_full", "kv_bytes_kept")
+
     def merge(self, other: "Stats") -> None:
-        for name in ("prompt_tokens", "new_tokens", "prefill_s", "decode_s", "verify_steps", "drafted_tokens",
-                     "accepted_tokens", "decode_tokens", "kv_bytes_full", "kv_bytes_kept"):
+        """Add ``other``'s counts (and seconds) to these."""
+        for name in self._SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_per_step.extend(other.accepted_per_step)
 
@@ -88,7 +102,7 @@ class Stats:
 
 @dataclass(frozen=True)
 class Plan:
-    """The strategies of one call, sorted by capability."""
+    """The strategies of one request, sorted by capability."""
 
     compressor: PromptCompressor | None
     drafters: tuple[Drafter, ...]
@@ -97,6 +111,11 @@ class Plan:
     @property
     def needs_hidden(self) -> bool:
         return any(d.needs_hidden for d in self.drafters)
+
+    def check(self, model: Any) -> None:
+        """Let every drafter refuse the model before any prefill work (clear ValueErrors)."""
+        for d in self.drafters:
+            d.check(model)
 
 
 def plan_strategies(strategies: list[Strategy]) -> Plan:
@@ -113,30 +132,54 @@ def plan_strategies(strategies: list[Strategy]) -> Plan:
 # --------------------------------------------------------------------------- the steps
 
 
-def prefill(model, cache: SharedCache, prompt: torch.Tensor, compressor: PromptCompressor | None) -> torch.Tensor:
-    """Run the prompt [1, n] through the model, filling (and compressing) the cache.
+def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
+            compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None) -> torch.Tensor:
+    """Run B prompts through the model in one forward, filling (and compressing) an empty cache.
 
-    Returns the final hidden state at the last prompt position, [1, H].
+    prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
+        internally; padding is never stored and never scored).
+    compressors: one compressor for every row, or one (or None) per row.
+    Returns the final hidden state at each row's last prompt position, [B, H].
     """
-    n = prompt.shape[1]
-    positions = torch.arange(n, device=prompt.device).unsqueeze(0)
-    window = compressor.observation_window(n) if compressor is not None else 0
+    rows = _prompt_rows(prompts)
+    if isinstance(compressors, PromptCompressor) or compressors is None:
+        compressors = [compressors] * len(rows)
+    lengths = [int(r.numel()) for r in rows]
+    device = rows[0].device
+    n = max(lengths)
+    ids = torch.zeros((len(rows), n), dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        ids[b, : r.numel()] = r
+    positions = torch.arange(n, device=device).unsqueeze(0).expand(len(rows), n)
+    mask = None
+    if min(lengths) != n:
+        mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
+    windows = [c.observation_window(length) if c is not None else 0 for c, length in zip(compressors, lengths)]
+    window = max(windows)
     queries: dict[int, torch.Tensor] = {}
 
-    if compressor is not None:
+    def select(layer: int, row: int, keys: torch.Tensor, values: torch.Tensor):
+        compressor = compressors[row]
+        if compressor is None:
+            return None
+        w = windows[row]
+        q = queries[layer][row : row + 1, :, window - w :] if w else None
+        sel = compressor.select(layer, q, keys, values)
+        return None if sel is None else (sel.indices, sel.valid)
 
-        def hook(layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
-            sel = compressor.select(layer_idx, queries.pop(layer_idx, None), keys, values)
-            return None if sel is None else (sel.indices, sel.valid)
+    cache.begin_prefill(lengths, select if any(c is not None for c in compressors) else None)
+    ends = torch.tensor(lengths, device=device) if mask is not None else None
+    with adapter.capture_window_queries(model, cache, window, queries, ends):
+        hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
+    cache.end_prefill()
+    last = torch.tensor(lengths, device=device) - 1
+    return hidden[torch.arange(len(rows), device=device), last]
 
-        cache.prefill_hook = hook
-    try:
-        with adapter.capture_window_queries(model, cache, window, queries):
-            hidden = adapter.backbone_forward(model, prompt, positions, cache)
-    finally:
-        cache.prefill_hook = None
-    cache.commit(keep=None, advance=n)
-    return hidden[:, -1]
+
+def _prompt_rows(prompts) -> list[torch.Tensor]:
+    if isinstance(prompts, torch.Tensor):
+        return [prompts.reshape(-1)] if prompts.dim() == 1 or prompts.shape[0] == 1 else list(prompts)
+    return [p.reshape(-1) for p in prompts]
 
 
 def propose(plan: Plan, states: list[Any], ctx: DraftContext) -> tuple[DraftTree, torch.Tensor | None]:
@@ -146,132 +189,251 @@ def propose(plan: Plan, states: list[Any], ctx: DraftContext) -> tuple[DraftTree
     when nothing was proposed).
     """
     root = int(ctx.tokens[-1])
-    if not plan.drafters:
-        return DraftTree.root_only(root), None
+    device = ctx.tokens.device
+    if not plan.drafters or ctx.max_tokens <= 0:
+        return DraftTree.root_only(root, device=device), None
     proposals = [d.propose(s, ctx) for d, s in zip(plan.drafters, states)]
     if len(proposals) == 1:
         prop = proposals[0]
         if prop is None or len(prop) == 0:
-            return DraftTree.root_only(root), None
+            return DraftTree.root_only(root, device=device), None
         return DraftTree.from_proposal(root, prop), torch.zeros(len(prop), dtype=torch.long)
     merged = merge_proposals(proposals, ctx.max_tokens)
     if merged is None:
-        return DraftTree.root_only(root), None
+        return DraftTree.root_only(root, device=device), None
     return DraftTree.from_proposal(root, merged.proposal), merged.source
 
 
-def verify(model, cache: SharedCache, tree: DraftTree, dtype: torch.dtype) -> torch.Tensor:
-    """One forward pass over [root + draft nodes] on top of the cache.
+def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype) -> torch.Tensor:
+    """One forward pass over every row's [root + draft nodes] on top of the cache.
 
-    Returns final hidden states [N+1, H]; the N+1 new entries stay uncommitted.
+    trees: one DraftTree per cache row (a single tree for a one-row cache).
+    Returns final hidden states [B, T, H] (T the largest tree; a single tree: [N+1, H]);
+    the new entries stay uncommitted.
     """
-    ids = tree.tokens.unsqueeze(0)
-    if len(tree.tokens) == 1:
-        positions = torch.tensor([[cache.logical_length]], device=ids.device)
-        mask = None
+    single = isinstance(trees, DraftTree)
+    trees = [trees] if single else list(trees)
+    device = trees[0].tokens.device
+    t = max(tree.num_nodes for tree in trees)
+    bsz = len(trees)
+    logical = cache.logical_lengths
+    if t == 1:
+        ids = torch.tensor([[tree.token_list[0]] for tree in trees], dtype=torch.long, device=device)
+        positions = torch.tensor([[n] for n in logical], dtype=torch.long, device=device)
+        visible = None
     else:
-        positions = tree_position_ids(tree, cache.logical_length)
-        mask = tree_attention_bias(tree, cache.physical_length(0), dtype).to(ids.device)
-    return adapter.backbone_forward(model, ids, positions.to(ids.device), cache, mask)[0]
+        ids = torch.empty((bsz, t), dtype=torch.long, device=device)
+        positions = torch.empty((bsz, t), dtype=torch.long, device=device)
+        visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
+        for b, tree in enumerate(trees):
+            m = tree.num_nodes
+            ids[b, :m] = tree.tokens
+            ids[b, m:] = tree.token_list[0]
+            positions[b, :m] = tree.depth + logical[b]
+            positions[b, m:] = logical[b]
+            visible[b, :m, :m] = tree.ancestor_mask
+    mask = cache.prepare_step(positions, visible, dtype, adapter.query_groups(model))
+    hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
+    with hook:
+        hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
+    return hidden[0, : trees[0].num_nodes] if single else hidden
 
 
-def accept(
-    tree: DraftTree,
-    logits: torch.Tensor,
-    warp: Callable[[torch.Tensor], torch.Tensor] | None,
-    rule: Strategy | None,
-    generator: torch.Generator | None,
-) -> Acceptance:
-    """Choose the accepted path and the bonus token. logits: [N+1, V] float32."""
-    if warp is None and rule is None:
-        if len(tree.tokens) == 1:
-            return Acceptance(path=[0], next_token=int(logits[0].argmax()), accepted=0)
-        return greedy_accept(tree, logits)
-    probs = torch.softmax(warp(logits) if warp is not None else logits, dim=-1)
+def accept(tree: DraftTree, logits: torch.Tensor, warp: Warp | None, rule: Strategy | None,
+           generator: torch.Generator | None, top: list[int] | None = None) -> Acceptance:
+    """Choose the accepted path and the bonus token of one row. logits: [N+1, V] float32.
+
+    top: the argmax of every row of ``logits``, when the caller already has it (greedy).
+    At temperature 0 every rule is greedy acceptance (typical acceptance included), so the
+    output is exactly greedy decoding's.
+    """
+    if warp is None:
+        return greedy_path(tree, top if top is not None else logits.argmax(dim=-1).tolist())
+    probs = torch.softmax(warp(logits), dim=-1)
     if rule is not None:
         return rule.accept(tree, probs, generator)
-    if len(tree.tokens) == 1:
+    if tree.num_nodes == 1:
         return Acceptance(path=[0], next_token=int(torch.multinomial(probs[0], 1, generator=generator)), accepted=0)
     return sample_accept(tree, probs, generator)
 
 
-def commit(cache: SharedCache, acc: Acceptance) -> None:
-    """Keep the accepted path's entries (root included) and advance the logical length."""
-    cache.commit(acc.path)
+def commit(cache: SharedCache, accs: Acceptance | Sequence[Acceptance]) -> None:
+    """Keep each row's accepted path entries (root included) and advance its logical length."""
+    accs = [accs] if isinstance(accs, Acceptance) else accs
+    cache.commit([a.path for a in accs])
 
 
-# --------------------------------------------------------------------------- the loop
+# --------------------------------------------------------------------------- rows and batches
 
 
-def decode(
-    model,
-    prompt: torch.Tensor,
-    plan: Plan,
-    *,
-    max_new_tokens: int,
-    eos: list[int],
-    warp: Callable[[torch.Tensor], torch.Tensor] | None,
-    generator: torch.Generator | None,
-    max_draft: int | None = DEFAULT_MAX_DRAFT,
-) -> tuple[torch.Tensor, Stats]:
-    """Generate up to ``max_new_tokens`` after ``prompt`` [1, n]. Returns (new tokens [m], stats)."""
-    geo = adapter.geometry(model)
-    stats = Stats(prompt_tokens=prompt.shape[1])
-    if max_new_tokens == 0:
-        return prompt.new_empty((0,)), stats
-    with adapter.packed_gqa_attention(model):
-        return _decode(model, prompt, plan, geo, stats, max_new_tokens, eos, warp, generator, max_draft)
+@dataclass(eq=False)
+class Row:
+    """One request's decoding state while it sits in a batch.
+
+    prompt: LongTensor [n]; tokens: LongTensor [n + generated] (prompt, emitted tokens; the
+    last one is the pending root); states: one per drafter of ``plan``; hidden: [H] the
+    verifier's hidden state at the root's parent (for drafters that need it).
+    """
+
+    prompt: torch.Tensor
+    plan: Plan
+    max_new_tokens: int
+    eos: frozenset[int]
+    warp: Warp | None = None
+    generator: torch.Generator | None = None
+    tokens: torch.Tensor | None = None
+    generated: list[int] = field(default_factory=list)
+    states: list[Any] = field(default_factory=list)
+    hidden: torch.Tensor | None = None
+    stats: Stats = field(default_factory=Stats)
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    started: float = field(default_factory=time.perf_counter)
+    tag: Any = None  # the caller's handle for this row
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def emit(self, new: list[int]) -> list[int]:
+        """Append ``new`` tokens (cut at EOS and at max_new_tokens); returns what was kept."""
+        room = self.max_new_tokens - len(self.generated)
+        kept = []
+        for tok in new[:room]:
+            kept.append(tok)
+            if tok in self.eos:
+                break
+        self.generated.extend(kept)
+        now = time.perf_counter()
+        if kept and len(self.generated) == len(kept):
+            self.stats.first_token_s = now - self.started
+        if kept and kept[-1] in self.eos:
+            self.finish_reason = "stop"
+        elif len(self.generated) >= self.max_new_tokens:
+            self.finish_reason = "length"
+        if self.done:
+            self.stats.latency_s = now - self.started
+            self.stats.new_tokens = len(self.generated)
+        return kept
 
 
-def _decode(model, prompt, plan, geo, stats, max_new_tokens, eos, warp, generator, max_draft):
-    cache = SharedCache(geo.num_layers)
-    eos_set = set(eos)
+class Batch:
+    """Live rows decoded together on one :class:`SharedCache`.
 
-    t0 = time.perf_counter()
-    hidden = prefill(model, cache, prompt, plan.compressor)
-    acc = accept(DraftTree.root_only(-1), adapter.output_logits(model, hidden), warp, plan.rule, generator)
-    generated = [acc.next_token]
-    stats.prefill_s = time.perf_counter() - t0
+    ``admit`` prefills new rows (one forward for all of them) and joins them to the batch;
+    ``step`` runs one verify forward for every live row and returns what each emitted;
+    ``retire`` removes finished or cancelled rows. ``accel.generate`` admits every row at
+    once and steps until all are done; ``accel.Engine`` admits between steps.
 
-    tokens = torch.cat([prompt[0], prompt.new_tensor(generated)])
-    states = [d.start(model, prompt[0]) for d in plan.drafters]
-    last_hidden = hidden[0] if plan.needs_hidden else None
+    max_draft: the most draft nodes a row may verify per step (None: sized by
+    :func:`draft_budget` from the cache and the batch).
+    """
 
-    t1 = time.perf_counter()
-    masks = adapter.per_layer_masks(model, cache) if cache.ragged else contextlib.nullcontext()
-    with masks:
-        while len(generated) < max_new_tokens and generated[-1] not in eos_set:
-            budget = max_draft if max_draft is not None else draft_budget(cache.physical_length(0))
-            ctx = DraftContext(tokens=tokens, hidden=last_hidden, max_tokens=budget)
-            tree, source = propose(plan, states, ctx)
-            hidden = verify(model, cache, tree, geo.dtype)
-            acc = accept(tree, adapter.output_logits(model, hidden), warp, plan.rule, generator)
-            commit(cache, acc)
+    def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0):
+        self.model = model
+        self.geo = adapter.geometry(model)
+        self.windows = adapter.layer_windows(model)
+        self.max_draft = max_draft
+        self.cache = SharedCache(self.geo.num_layers, self.windows)
+        self.cache.row_capacity = row_capacity
+        self.rows: list[Row] = []
 
-            new = acc.emitted(tree)
-            for i, t in enumerate(new):
-                if t in eos_set:
-                    new = new[: i + 1]
-                    break
-            new = new[: max_new_tokens - len(generated)]
-            generated.extend(new)
-            stats.decode_tokens += len(new)
-            tokens = torch.cat([tokens, tokens.new_tensor(new)])
+    def __len__(self) -> int:
+        return len(self.rows)
 
-            stats.verify_steps += 1
-            stats.drafted_tokens += len(tree.tokens) - 1
-            stats.accepted_tokens += acc.accepted
-            stats.accepted_per_step.append(acc.accepted)
-            if plan.drafters:
-                _feedback(plan, states, source, acc)
-            if last_hidden is not None:
-                last_hidden = hidden[acc.path[-1]]
-    stats.decode_s = time.perf_counter() - t1
+    def admit(self, rows: list[Row]) -> None:
+        """Prefill ``rows`` together, emit each one's first token and add them to the batch."""
+        if not rows:
+            return
+        t0 = time.perf_counter()
+        fresh = SharedCache(self.geo.num_layers, self.windows)
+        hidden = prefill(self.model, fresh, [r.prompt for r in rows], [r.plan.compressor for r in rows])
+        logits = adapter.output_logits(self.model, hidden)  # [B, V]
+        top = logits.argmax(dim=-1).tolist()
+        root = DraftTree.root_only(-1, device=hidden.device)
+        elapsed = time.perf_counter() - t0
+        for b, row in enumerate(rows):
+            acc = accept(root, logits[b : b + 1], row.warp, row.plan.rule, row.generator, top=[top[b]])
+            row.stats.prompt_tokens = int(row.prompt.numel())
+            row.stats.prefill_s = elapsed
+            row.tokens = torch.cat([row.prompt, row.prompt.new_tensor([acc.next_token])])
+            row.states = [d.start(self.model, row.prompt) for d in row.plan.drafters]
+            row.hidden = hidden[b] if row.plan.needs_hidden else None
+            row.emit([acc.next_token])
+        self.cache.extend(fresh)
+        self.rows.extend(rows)
 
-    stats.new_tokens = len(generated)
-    stats.kv_bytes_full = geo.entry_bytes() * cache.logical_length
-    stats.kv_bytes_kept = cache.kept_bytes()
-    return prompt.new_tensor(generated), stats
+    def budgets(self) -> list[int]:
+        """Draft nodes each live row may propose this step."""
+        if self.max_draft is not None:
+            return [self.max_draft] * len(self.rows)
+        longest = self.cache.committed_length(0)
+        per_row = draft_budget(longest, len(self.rows))
+        return [per_row] * len(self.rows)
+
+    def step(self) -> list[list[int]]:
+        """One verify forward for every live row; returns each row's newly emitted tokens."""
+        rows = self.rows
+        t0 = time.perf_counter()
+        trees, sources = [], []
+        for row, budget in zip(rows, self.budgets()):
+            ctx = DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
+                               generator=row.generator)
+            tree, source = propose(row.plan, row.states, ctx)
+            trees.append(tree)
+            sources.append(source)
+        hidden = verify(self.model, self.cache, trees, self.geo.dtype)  # [B, T, H]
+        counts = [tree.num_nodes for tree in trees]
+        if all(c == hidden.shape[1] for c in counts):
+            flat = hidden.reshape(-1, hidden.shape[-1])
+        else:
+            flat = torch.cat([hidden[b, :c] for b, c in enumerate(counts)])
+        logits = adapter.output_logits(self.model, flat)  # [sum N_b + 1, V]
+        greedy = [row.warp is None for row in rows]
+        top = logits.argmax(dim=-1).tolist() if any(greedy) else None
+        accs, out, start = [], [], 0
+        for b, (row, tree) in enumerate(zip(rows, trees)):
+            end = start + counts[b]
+            acc = accept(tree, logits[start:end], row.warp, row.plan.rule, row.generator,
+                         top=top[start:end] if greedy[b] else None)
+            accs.append(acc)
+            start = end
+        commit(self.cache, accs)
+        elapsed = time.perf_counter() - t0
+        for b, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
+            new = row.emit(acc.emitted(tree))
+            out.append(new)
+            row.tokens = torch.cat([row.tokens, row.tokens.new_tensor(acc.emitted(tree))])
+            s = row.stats
+            s.decode_s += elapsed
+            s.decode_tokens += len(new)
+            s.verify_steps += 1
+            s.drafted_tokens += tree.num_drafts
+            s.accepted_tokens += acc.accepted
+            s.accepted_per_step.append(acc.accepted)
+            if row.plan.drafters:
+                _feedback(row.plan, row.states, sources[b], acc)
+            if row.hidden is not None:
+                row.hidden = hidden[b, acc.path[-1]]
+        return out
+
+    def retire(self, row: Row) -> None:
+        """Remove one row (finished or cancelled) from the batch and its cache."""
+        i = next(i for i, r in enumerate(self.rows) if r is row)
+        s = row.stats
+        s.new_tokens = len(row.generated)
+        s.kv_bytes_kept = self.cache.kept_bytes(i)
+        s.kv_bytes_full = self.geo.entry_bytes() * self.cache.logical_lengths[i]
+        self.cache.remove(i)
+        last = self.rows.pop()
+        if last is not row:
+            self.rows[i] = last
+
+    def retire_done(self) -> list[Row]:
+        """Remove and return every finished row."""
+        done = [r for r in self.rows if r.done]
+        for row in done:
+            self.retire(row)
+        return done
 
 
 def _feedback(plan: Plan, states: list[Any], source: torch.Tensor | None, acc: Acceptance) -> None:
@@ -282,3 +444,60 @@ def _feedback(plan: Plan, states: list[Any], source: torch.Tensor | None, acc: A
     path_sources = [int(source[j - 1]) for j in acc.path[1:]]
     for i, (d, s) in enumerate(zip(plan.drafters, states)):
         d.feedback(s, int((source == i).sum()), sum(1 for src in path_sources if src == i))
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT
+                ) -> Iterator[list[tuple[Row, list[int]]]]:
+    """Decode ``rows`` together until every one is done, yielding after the prefill and after
+    every step the (row, newly emitted tokens) pairs of the rows that took part."""
+    batch = Batch(model, max_draft=max_draft)
+    live = [r for r in rows if r.max_new_tokens > 0]
+    for r in rows:
+        if r.max_new_tokens <= 0:
+            r.finish_reason = "length"
+            r.stats.prompt_tokens = int(r.prompt.numel())
+    with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache):
+        with torch.inference_mode():
+            batch.admit(live)
+            pairs = [(r, list(r.generated)) for r in live]
+            batch.retire_done()
+        yield pairs
+        while batch.rows:
+            with torch.inference_mode():
+                new = batch.step()
+                pairs = list(zip(batch.rows, new))
+                batch.retire_done()
+            yield pairs
+
+
+def run_batch(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT) -> Stats:
+    """Decode ``rows`` together until every one is done. Returns the call's aggregate Stats
+    (wall-clock prefill and decode seconds, counts summed over rows)."""
+    total = Stats()
+    t0 = time.perf_counter()
+    steps = batch_steps(model, rows, max_draft)
+    next(steps)
+    total.prefill_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in steps:
+        pass
+    total.decode_s = time.perf_counter() - t1
+    for r in rows:
+        s = r.stats
+        for name in ("prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
+                     "decode_tokens", "kv_bytes_full", "kv_bytes_kept"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        total.accepted_per_step.extend(s.accepted_per_step)
+    return total
+
+
+def decode(model, prompt: torch.Tensor, plan: Plan, *, max_new_tokens: int, eos: list[int], warp: Warp | None,
+           generator: torch.Generator | None, max_draft: int | None = DEFAULT_MAX_DRAFT) -> tuple[torch.Tensor, Stats]:
+    """Generate up to ``max_new_tokens`` after one ``prompt`` [1, n]. Returns (new tokens [m], stats)."""
+    row = Row(prompt=prompt.reshape(-1), plan=plan, max_new_tokens=max_new_tokens, eos=frozenset(eos), warp=warp,
+              generator=generator)
+    stats = run_batch(model, [row], max_draft=max_draft)
+    return prompt.new_tensor(row.generated), stats

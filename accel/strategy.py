@@ -153,6 +153,10 @@ class Drafter(Strategy):
 
     drafts: ClassVar[bool] = True
 
+    def check(self, model: Any) -> None:
+        """Called once per request before the prefill: raise a ValueError that says what is
+        wrong if this drafter cannot serve ``model`` (so bad input fails before costly work)."""
+
     def start(self, model: Any, prompt: torch.Tensor) -> Any:
         """Per-request state, created after the prefill. prompt: LongTensor [n]."""
         return None

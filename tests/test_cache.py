@@ -74,19 +74,93 @@ def test_select_refuses_uncommitted_entries():
         c.select(0, torch.zeros(1, 2, 1, dtype=torch.long))
 
 
-def test_prefill_hook_stores_selection_but_returns_full_entries():
+def test_prefill_selection_is_per_row_and_returns_full_entries():
     c = SharedCache(num_layers=1)
-    seen = {}
+    seen = []
 
-    def hook(layer, keys, values):
-        seen[layer] = keys.shape[2]
-        return torch.tensor([[[1, 3], [0, 4]]]), None
+    def select(layer, row, keys, values):
+        seen.append((layer, row, keys.shape[2]))
+        if row == 0:
+            return torch.tensor([[[1, 3], [0, 4]]]), None
+        return None  # row 1 keeps its whole (shorter) prompt
 
-    c.prefill_hook = hook
-    keys, _ = c._store(0, *kv(t=5))
+    c.begin_prefill([5, 3], select)
+    k = torch.cat([kv(t=5)[0], kv(t=5, start=100)[0]])  # [2, 2, 5, 4]; row 1 is right-padded
+    keys, _ = c._store(0, k, -k)
+    c.end_prefill()
     assert keys.shape[2] == 5  # the layer still attends to the whole prompt
-    assert seen == {0: 5}
+    assert seen == [(0, 0, 5), (0, 1, 3)]  # each row offered its own entries, padding left out
     assert positions(c, head=0) == [1, 3] and positions(c, head=1) == [0, 4]
+    assert c.keys(0, row=1)[0, 0, :, 0].tolist() == [100, 101, 102]
+    assert c.row_lengths(0) == [2, 3] and c.logical_lengths == [5, 3]
+
+
+def kv_rows(starts, t, h=2, d=4):
+    """[B, h, t, d] entries, row b counting from starts[b]."""
+    return torch.cat([kv(h=h, t=t, d=d, start=s)[0] for s in starts])
+
+
+def row_positions(cache, row, layer=0, head=0):
+    return cache.keys(layer, row=row)[0, head, :, 0].tolist()
+
+
+def test_ragged_commit_keeps_each_rows_path_behind_its_own_entries():
+    c = SharedCache(num_layers=1)
+    c.begin_prefill([3, 1])
+    c._store(0, kv_rows([0, 50], 3), -kv_rows([0, 50], 3))
+    c.end_prefill()
+    assert c.row_lengths() == [3, 1]
+    # a step of 3 new entries per row, appended at the common column 3
+    c._store(0, kv_rows([10, 60], 3), -kv_rows([10, 60], 3))
+    c.commit([[0, 2], [0, 1, 2]])
+    assert row_positions(c, 0) == [0, 1, 2, 10, 12]
+    assert row_positions(c, 1) == [50, 60, 61, 62]
+    assert c.logical_lengths == [5, 4]
+    assert torch.equal(c.values(0, row=1), -c.keys(0, row=1))
+
+
+def test_step_mask_hides_other_rows_padding_and_respects_the_tree():
+    c = SharedCache(num_layers=1)
+    c.begin_prefill([3, 1])
+    c._store(0, kv_rows([0, 50], 3), -kv_rows([0, 50], 3))
+    c.end_prefill()
+    tree = torch.tensor([[True, False], [True, True]]).expand(2, 2, 2)  # root, child
+    pos = torch.tensor([[3, 4], [1, 2]])
+    mask = c.prepare_step(pos, tree, torch.float32, groups=1)
+    assert mask.shape == (2, 1, 2, 5)
+    seen = mask == 0
+    assert seen[0, 0].tolist() == [[True, True, True, True, False], [True, True, True, True, True]]
+    assert seen[1, 0].tolist() == [[True, False, False, True, False], [True, False, False, True, True]]
+
+
+def test_sliding_window_layer_keeps_and_sees_only_its_window():
+    c = SharedCache(num_layers=2, windows=[None, 4])
+    c.begin_prefill([10])
+    for layer in range(2):
+        c._store(layer, *kv(t=10))
+    c.end_prefill()
+    assert c.row_lengths(0) == [10] and c.row_lengths(1) == [4]  # positions 6..9 kept
+    assert positions(c, layer=1) == [6, 7, 8, 9]
+    c.prepare_step(torch.tensor([[10]]), None, torch.float32, groups=1)
+    seen = c.layer_mask(1)[0, 0, 0] == 0
+    assert seen.tolist() == [False, True, True, True, True]  # position 6 is out of reach of 10
+    assert (c.layer_mask(0) == 0).all()
+    assert not c.uniform_masks
+
+
+def test_extend_and_remove_move_whole_rows():
+    a, b = SharedCache(num_layers=1), SharedCache(num_layers=1)
+    for cache, starts, n in ((a, [0, 100], 2), (b, [200], 4)):
+        cache.begin_prefill([n] * len(starts))
+        cache._store(0, kv_rows(starts, n), -kv_rows(starts, n))
+        cache.end_prefill()
+    a.extend(b)
+    assert a.batch_size == 3 and a.logical_lengths == [2, 2, 4]
+    assert row_positions(a, 2) == [200, 201, 202, 203]
+    a.remove(0)  # the last row moves into slot 0
+    assert a.logical_lengths == [4, 2]
+    assert row_positions(a, 0) == [200, 201, 202, 203] and row_positions(a, 1) == [100, 101]
+    assert torch.equal(a.values(0, row=0), -a.keys(0, row=0))
 
 
 def test_kept_bytes_counts_live_entries_only():

@@ -1,0 +1,321 @@
+"""``accel.Engine``: the service form — continuous batching behind a thread-safe submit().
+
+One loop thread owns the model and a :class:`~accel.engine.Batch`. Between steps it admits
+waiting requests (one batched prefill for all of them, then they join the running batch)
+and retires finished or cancelled ones; every step is one verify forward for all live rows.
+Callers on any thread get a :class:`RequestHandle` whose :meth:`~RequestHandle.stream`
+yields each step's newly accepted tokens.
+
+    with accel.Engine(model, strategies=["prompt_lookup"], max_batch=8, tokenizer=tok) as engine:
+        handle = engine.submit("Write a haiku about caches.", max_new_tokens=64)
+        for delta in handle.stream():
+            print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from . import adapter
+from .api import _as_rows, check_sampling, make_rows
+from .engine import DEFAULT_MAX_DRAFT, Batch, Plan, Row, Stats, plan_strategies
+from .strategy import Strategy, build_strategies
+from .text import TextStream
+
+__all__ = ["Engine", "RequestHandle", "Delta", "RequestResult"]
+
+
+@dataclass
+class Delta:
+    """What one request gained in one step.
+
+    tokens: the newly accepted token ids; text: their text (incremental, complete
+    characters only) when the engine knows a tokenizer, else None; finished / finish_reason
+    ("stop", "length", "cancelled" or "error") on the request's last delta.
+    """
+
+    tokens: list[int]
+    text: str | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass
+class RequestResult:
+    """A finished request: its generated tokens (and text), why it ended, and its stats."""
+
+    tokens: list[int]
+    text: str | None
+    finish_reason: str
+    prompt_tokens: int
+    stats: Stats
+    error: str | None = None
+
+
+_END = object()
+
+
+@dataclass(eq=False)
+class RequestHandle:
+    """A submitted request. Thread-safe; ``stream()`` may be consumed by one reader."""
+
+    id: int
+    row: Row = field(repr=False)
+    _text: TextStream | None = field(default=None, repr=False)
+    _queue: "queue.Queue[Any]" = field(default_factory=queue.Queue, repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, repr=False)
+    _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _result: RequestResult | None = field(default=None, repr=False)
+
+    def stream(self, timeout: float | None = None) -> Iterator[Delta]:
+        """Yield :class:`Delta` objects as the engine accepts tokens, until the request ends.
+
+        timeout: seconds to wait for the next delta at most (None: no limit); raises
+        ``TimeoutError`` when it passes.
+        """
+        while True:
+            try:
+                item = self._queue.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"request {self.id}: no tokens within {timeout} s") from None
+            if item is _END:
+                return
+            yield item
+
+    def result(self, timeout: float | None = None) -> RequestResult:
+        """Wait for the request to end and return its :class:`RequestResult`."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.id} did not finish within {timeout} s")
+        return self._result
+
+    def cancel(self) -> None:
+        """Stop the request; its rows are freed before the next step."""
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+
+class Engine:
+    """Continuous batching for services.
+
+    Args:
+        model: a transformers causal LM; the engine's thread runs every forward on it.
+        strategies: the default strategies of every request (a request may give its own).
+        max_batch: the most requests decoded together; more wait for a free row.
+        tokenizer: lets requests be text and deltas carry text.
+        max_draft_tokens: the most draft nodes a row verifies per step (None: sized to the
+            cache and the batch).
+        eos_token_id: default stop token(s); default the model's generation config.
+    """
+
+    def __init__(self, model: Any, strategies: Sequence[Strategy | str | dict] | None = (), *, max_batch: int = 8,
+                 tokenizer: Any = None, max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
+                 eos_token_id: int | list[int] | None = None):
+        adapter.check_causal_lm(model)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch = max_batch
+        self.plan = self._plan(strategies)
+        self.eos = adapter.default_eos(model, tokenizer) if eos_token_id is None else (
+            [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        self._batch = Batch(model, max_draft=max_draft_tokens, row_capacity=max_batch)
+        self._waiting: "queue.Queue[RequestHandle]" = queue.Queue()
+        self._live: list[RequestHandle] = []
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._error: BaseException | None = None
+        self._counters = dict(requests_total=0, tokens_generated=0, verify_steps=0, accepted_tokens=0,
+                              batch_rows_stepped=0)
+        self._thread = threading.Thread(target=self._loop, name="accel-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ public
+
+    def _plan(self, strategies) -> Plan:
+        plan = plan_strategies(build_strategies(strategies))
+        plan.check(self.model)
+        return plan
+
+    def submit(self, prompt: str | Sequence[int] | torch.Tensor, *, max_new_tokens: int = 128,
+               temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+               seed: int | None = None, eos_token_id: int | list[int] | None = None,
+               strategies: Sequence[Strategy | str | dict] | None = None) -> RequestHandle:
+        """Queue one request; safe from any thread. Bad input raises here (ValueError /
+        ``StrategyError`` naming the field), before anything is queued.
+
+        prompt: text (needs the engine's tokenizer), token ids, or a LongTensor [n].
+        strategies: this request's strategies instead of the engine's (None: the engine's).
+        """
+        if self._closed.is_set():
+            raise RuntimeError("the engine is closed")
+        check_sampling(max_new_tokens, temperature, top_k, top_p)
+        plan = self.plan if strategies is None else self._plan(strategies)
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
+            prompt = prompt.unsqueeze(0)
+        rows = _as_rows(prompt, self.tokenizer, None)
+        if len(rows) != 1:
+            raise ValueError(f"submit() takes one prompt, got {len(rows)}; submit each one")
+        eos = self.eos if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
+        (row,) = make_rows(self.model, rows, plan, max_new_tokens=max_new_tokens, temperature=temperature,
+                           top_k=top_k, top_p=top_p, eos=eos, seed=seed)
+        handle = RequestHandle(id=next(self._ids), row=row,
+                               _text=TextStream(self.tokenizer) if self.tokenizer is not None else None)
+        row.tag = handle
+        with self._lock:
+            self._counters["requests_total"] += 1
+        self._waiting.put(handle)
+        self._wake.set()
+        return handle
+
+    def metrics(self) -> dict[str, Any]:
+        """Counters for monitoring: requests, tokens, steps, acceptance, occupancy, KV bytes."""
+        with self._lock:
+            c = dict(self._counters)
+            live = len(self._live)
+        steps = c["verify_steps"]
+        c.update(
+            requests_running=live,
+            requests_waiting=self._waiting.qsize(),
+            mean_accepted=(c["accepted_tokens"] + c["batch_rows_stepped"]) / c["batch_rows_stepped"]
+            if c["batch_rows_stepped"] else 0.0,
+            batch_occupancy=c["batch_rows_stepped"] / (steps * self.max_batch) if steps else 0.0,
+            kv_bytes=self._batch.cache.kept_bytes(),
+            max_batch=self.max_batch,
+        )
+        return c
+
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop thread; requests still running or waiting end as 'cancelled'."""
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the loop
+
+    def _loop(self) -> None:
+        try:
+            with adapter.packed_gqa_attention(self.model), adapter.per_layer_masks(self.model, self._batch.cache):
+                while not self._closed.is_set():
+                    self._drop_cancelled()
+                    admitted = self._admit()
+                    if not self._live:
+                        if not admitted:
+                            self._wake.wait(0.05)
+                            self._wake.clear()
+                        continue
+                    with torch.inference_mode():
+                        new = self._batch.step()
+                    self._deliver(list(zip(self._batch.rows, new)))
+        except BaseException as err:  # a failing forward must not leave callers waiting forever
+            self._error = err
+            for h in self._live + self._drain():
+                self._finish(h, "error", error=f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            for h in self._live + self._drain():
+                self._finish(h, "cancelled")
+
+    def _drain(self) -> list[RequestHandle]:
+        out = []
+        while True:
+            try:
+                out.append(self._waiting.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _admit(self) -> bool:
+        room = self.max_batch - len(self._live)
+        new: list[RequestHandle] = []
+        while room > len(new):
+            try:
+                h = self._waiting.get_nowait()
+            except queue.Empty:
+                break
+            if h.cancelled:
+                self._finish(h, "cancelled")
+                continue
+            if h.row.max_new_tokens == 0:
+                h.row.stats.prompt_tokens = int(h.row.prompt.numel())
+                self._finish(h, "length")
+                continue
+            h.row.started = time.perf_counter()
+            new.append(h)
+        if not new:
+            return False
+        with torch.inference_mode():
+            self._batch.admit([h.row for h in new])
+        with self._lock:
+            self._live.extend(new)
+        self._deliver([(h.row, list(h.row.generated)) for h in new], count_step=False)
+        return True
+
+    def _deliver(self, pairs: list[tuple[Row, list[int]]], count_step: bool = True) -> None:
+        accepted = 0
+        for row, new in pairs:
+            h: RequestHandle = row.tag
+            if new:
+                text = h._text.push(new, final=row.done) if h._text is not None else None
+                h._queue.put(Delta(list(new), text))
+            if count_step:
+                accepted += row.stats.accepted_per_step[-1] if row.stats.accepted_per_step else 0
+        with self._lock:
+            self._counters["tokens_generated"] += sum(len(n) for _, n in pairs)
+            if count_step:
+                self._counters["verify_steps"] += 1
+                self._counters["batch_rows_stepped"] += len(pairs)
+                self._counters["accepted_tokens"] += accepted
+        for row, _ in pairs:
+            if row.done:
+                self._retire(row.tag, row.finish_reason)
+
+    def _drop_cancelled(self) -> None:
+        for h in [h for h in self._live if h.cancelled]:
+            self._retire(h, "cancelled")
+
+    def _retire(self, h: RequestHandle, reason: str) -> None:
+        with torch.inference_mode():
+            self._batch.retire(h.row)
+        with self._lock:
+            self._live.remove(h)
+        self._finish(h, reason)
+
+    def _finish(self, h: RequestHandle, reason: str, error: str | None = None) -> None:
+        if h.done:
+            return
+        row = h.row
+        if row.finish_reason is None:
+            row.finish_reason = reason
+        row.stats.new_tokens = len(row.generated)
+        text = h._text.text if h._text is not None else None
+        if h._text is not None:
+            tail = h._text.push([], final=True)
+            if tail:
+                h._queue.put(Delta([], tail))
+        h._result = RequestResult(tokens=list(row.generated), text=text, finish_reason=row.finish_reason,
+                                  prompt_tokens=int(row.prompt.numel()), stats=row.stats, error=error)
+        h._queue.put(Delta([], "" if h._text is not None else None, True, row.finish_reason))
+        h._queue.put(_END)
+        h._done.set()

@@ -1,0 +1,186 @@
+"""The batched engine: every row of a batch decodes exactly as it would alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import accel
+from helpers import TINY_VOCAB, make_tiny_model
+from snapkv import AdaSnapKV, SnapKV
+from speculative import Medusa, PromptLookup
+from test_medusa import random_heads
+from test_speculative import Scripted
+
+LENGTHS = (37, 52, 20, 45, 60, 29, 41, 33)
+
+
+def _prompts(count: int, seed: int = 0) -> list[torch.Tensor]:
+    """Repetitive prompts of different lengths (so prompt lookup drafts)."""
+    out = []
+    for i in range(count):
+        n = LENGTHS[i % len(LENGTHS)]
+        base = torch.randint(2, TINY_VOCAB, (max(4, n // 3),), generator=torch.Generator().manual_seed(seed + i))
+        out.append(base.repeat(4)[:n])
+    return out
+
+
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    n = max(p.numel() for p in prompts)
+    ids = torch.zeros(len(prompts), n, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, n - p.numel():] = p
+        mask[i, n - p.numel():] = 1
+    return ids, mask
+
+
+def _alone(model, prompt, strategies, new, **kw) -> list[int]:
+    out = accel.generate(model, prompt.unsqueeze(0), strategies=strategies, max_new_tokens=new, **kw)
+    return out.sequences[0, prompt.numel():].tolist()
+
+
+def _batched(model, prompts, strategies, new, **kw) -> tuple[list[list[int]], accel.GenerateResult]:
+    ids, mask = _left_padded(prompts)
+    res = accel.generate(model, ids, attention_mask=mask, strategies=strategies, max_new_tokens=new, **kw)
+    width = ids.shape[1]
+    rows = []
+    for i, s in enumerate(res.row_stats):
+        rows.append(res.sequences[i, width: width + s.new_tokens].tolist())
+    return rows, res
+
+
+@pytest.fixture(scope="module")
+def heads_dir(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("heads")
+    random_heads(seed=3, sequential=True).save_pretrained(folder)
+    return str(folder)
+
+
+COMBOS = {
+    "plain": lambda h: [],
+    "snapkv": lambda h: [SnapKV(budget=16, window=4, kernel=3)],
+    "ada": lambda h: [AdaSnapKV(budget=16, window=4, kernel=3)],
+    "lookup": lambda h: [PromptLookup()],
+    "medusa": lambda h: [Medusa(heads=h, max_nodes=8)],
+    "snapkv+lookup": lambda h: [SnapKV(budget=16, window=4, kernel=3), PromptLookup()],
+    "ada+lookup+medusa": lambda h: [AdaSnapKV(budget=20, window=4, kernel=3), PromptLookup(), Medusa(heads=h)],
+}
+
+
+@pytest.mark.parametrize("combo", list(COMBOS))
+def test_every_row_equals_that_row_alone(combo, heads_dir):
+    model = make_tiny_model(seed=31)
+    prompts = _prompts(5, seed=10)
+    strategies = COMBOS[combo](heads_dir)
+    rows, res = _batched(model, prompts, strategies, 24, eos_token_id=[])
+    for p, row in zip(prompts, rows):
+        assert row == _alone(model, p, strategies, 24, eos_token_id=[])
+    assert res.stats.new_tokens == 5 * 24
+    if combo in ("lookup", "medusa", "snapkv+lookup", "ada+lookup+medusa"):
+        assert res.stats.drafted_tokens > 0 and res.stats.accepted_tokens > 0
+        # rows accept different numbers of tokens: ragged acceptance happened
+        assert len({s.verify_steps for s in res.row_stats}) > 1
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 8])
+def test_batch_sizes_one_to_eight(size):
+    model = make_tiny_model(seed=32)
+    prompts = _prompts(size, seed=20)
+    for strategies in ([], [PromptLookup()]):
+        rows, res = _batched(model, prompts, strategies, 16, eos_token_id=[])
+        assert rows == [_alone(model, p, strategies, 16, eos_token_id=[]) for p in prompts]
+        assert len(res.row_stats) == size
+
+
+def test_plain_batch_equals_model_generate_with_left_padding():
+    model = make_tiny_model(seed=33)
+    prompts = _prompts(4, seed=30)
+    ids, mask = _left_padded(prompts)
+    ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0,
+                         eos_token_id=None)
+    res = accel.generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(res.sequences, ref)
+
+
+def test_rows_that_stop_early_leave_the_others_exact():
+    model = make_tiny_model(seed=34)
+    prompts = _prompts(4, seed=40)
+    free = [_alone(model, p, [], 20, eos_token_id=[]) for p in prompts]
+    stop = free[1][3]  # row 1 stops at its 4th token (others may stop too, wherever it occurs)
+    rows, res = _batched(model, prompts, [PromptLookup()], 20, eos_token_id=stop)
+    for p, row, alone in zip(prompts, rows, free):
+        expect = alone[: alone.index(stop) + 1] if stop in alone else alone
+        assert row == expect
+    assert len(rows[1]) == 4 and res.row_stats[1].new_tokens == 4
+
+
+def test_garbage_drafter_and_rows_without_drafts_stay_exact():
+    model = make_tiny_model(seed=35)
+    prompts = _prompts(4, seed=50)
+    ref = [_alone(model, p, [], 20, eos_token_id=[]) for p in prompts]
+    for mode in ("random", "empty"):
+        rows, res = _batched(model, prompts, [Scripted(mode=mode)], 20, eos_token_id=[])
+        assert rows == ref
+        assert (res.stats.drafted_tokens > 0) == (mode == "random")
+
+
+def test_sampling_is_reproducible_and_per_row():
+    model = make_tiny_model(seed=36)
+    prompts = _prompts(3, seed=60)
+    kw = dict(temperature=1.0, seed=7, eos_token_id=[])
+    a, _ = _batched(model, prompts, [PromptLookup()], 16, **kw)
+    b, _ = _batched(model, prompts, [PromptLookup()], 16, **kw)
+    assert a == b
+    # row i samples with seed + i: what it samples alone with that seed
+    for i, (p, row) in enumerate(zip(prompts, a)):
+        assert row == _alone(model, p, [PromptLookup()], 16, temperature=1.0, seed=7 + i, eos_token_id=[])
+    assert a != _batched(model, prompts, [PromptLookup()], 16, temperature=1.0, seed=8, eos_token_id=[])[0]
+
+
+def test_stream_yields_each_rows_tokens_as_accepted():
+    model = make_tiny_model(seed=37)
+    prompts = _prompts(3, seed=70)
+    ids, mask = _left_padded(prompts)
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finished = set()
+    for delta in accel.stream(model, ids, attention_mask=mask, strategies=[PromptLookup()], max_new_tokens=15,
+                              eos_token_id=[]):
+        assert delta.row not in finished
+        got[delta.row].extend(delta.tokens)
+        if delta.finished:
+            finished.add(delta.row)
+            assert delta.finish_reason == "length"
+    assert finished == {0, 1, 2}
+    assert [got[i] for i in range(3)] == [_alone(model, p, [], 15, eos_token_id=[]) for p in prompts]
+
+
+def test_stats_are_aggregate_and_per_row():
+    model = make_tiny_model(seed=38)
+    prompts = _prompts(3, seed=80)
+    rows, res = _batched(model, prompts, [SnapKV(budget=16, window=4, kernel=3)], 10, eos_token_id=[])
+    assert res.stats.new_tokens == sum(s.new_tokens for s in res.row_stats) == 30
+    assert res.stats.kv_bytes_kept == sum(s.kv_bytes_kept for s in res.row_stats)
+    per_token = 2 * 2 * 2 * 16 * 4
+    for p, s in zip(prompts, res.row_stats):
+        assert s.prompt_tokens == p.numel()
+        assert s.kv_bytes_kept == (16 + 9) * per_token  # budget + the 9 fed-back tokens
+        assert s.kv_bytes_full == (p.numel() + 9) * per_token
+        assert 0 < s.first_token_s <= s.latency_s
+    assert res.stats.decode_s > 0 and res.stats.prefill_s > 0
+
+
+def test_context_length_is_checked():
+    model = make_tiny_model(seed=39, max_position_embeddings=64)
+    with pytest.raises(ValueError, match="context of 64"):
+        accel.generate(model, torch.arange(2, 50).unsqueeze(0), max_new_tokens=20)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_new_tokens=True), "max_new_tokens"),
+    (dict(attention_mask=torch.ones(1, 3, dtype=torch.long)), "attention_mask"),
+])
+def test_bad_arguments_are_named(kwargs, match):
+    model = make_tiny_model()
+    with pytest.raises(ValueError, match=match):
+        accel.generate(model, torch.tensor([[3, 4]]), **kwargs)

@@ -1,0 +1,127 @@
+"""accel.Engine: continuous batching behind a thread-safe submit()."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import accel
+from helpers import TINY_VOCAB, make_tiny_model
+from speculative import PromptLookup
+
+LENGTHS = (23, 41, 30, 52, 17, 36, 45, 28)
+
+
+def _prompt(i: int) -> torch.Tensor:
+    n = LENGTHS[i % len(LENGTHS)]
+    base = torch.randint(2, TINY_VOCAB, (max(4, n // 3),), generator=torch.Generator().manual_seed(100 + i))
+    return base.repeat(4)[:n]
+
+
+def _alone(model, prompt, new, strategies=()):
+    out = accel.generate(model, prompt.unsqueeze(0), strategies=list(strategies), max_new_tokens=new, eos_token_id=[])
+    return out.sequences[0, prompt.numel():].tolist()
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model(seed=41)
+
+
+def test_eight_threads_submitting_at_once_each_get_their_own_answer(model):
+    prompts = [_prompt(i) for i in range(8)]
+    results: dict[int, list[int]] = {}
+    with accel.Engine(model, strategies=[PromptLookup()], max_batch=4, eos_token_id=[]) as engine:
+        barrier = threading.Barrier(8)
+
+        def client(i):
+            barrier.wait()
+            results[i] = engine.submit(prompts[i], max_new_tokens=20).result(timeout=120).tokens
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        m = engine.metrics()
+    assert {i: results[i] for i in range(8)} == {i: _alone(model, p, 20) for i, p in enumerate(prompts)}
+    assert m["requests_total"] == 8 and m["tokens_generated"] == 8 * 20
+    assert 0 < m["batch_occupancy"] <= 1 and m["mean_accepted"] >= 1
+
+
+def test_stream_yields_tokens_then_the_final_delta(model):
+    with accel.Engine(model, max_batch=2, eos_token_id=[]) as engine:
+        handle = engine.submit(_prompt(0).tolist(), max_new_tokens=9)
+        deltas = list(handle.stream(timeout=60))
+    assert [t for d in deltas for t in d.tokens] == _alone(model, _prompt(0), 9)
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    assert not any(d.finished for d in deltas[:-1])
+    assert handle.result().finish_reason == "length" and handle.result().prompt_tokens == LENGTHS[0]
+
+
+def test_a_request_admitted_while_others_decode_gets_exactly_its_alone_tokens(model):
+    with accel.Engine(model, strategies=[PromptLookup()], max_batch=4, eos_token_id=[]) as engine:
+        early = [engine.submit(_prompt(i), max_new_tokens=40) for i in range(3)]
+        next(early[0].stream(timeout=60))  # the batch is decoding
+        late = engine.submit(_prompt(5), max_new_tokens=15)
+        got = late.result(timeout=120).tokens
+        first = [h.result(timeout=120).tokens for h in early]
+    assert got == _alone(model, _prompt(5), 15)
+    assert first == [_alone(model, _prompt(i), 40) for i in range(3)]
+
+
+def test_cancel_mid_stream_frees_the_row_and_others_finish(model):
+    with accel.Engine(model, max_batch=2, eos_token_id=[]) as engine:
+        doomed = engine.submit(_prompt(1), max_new_tokens=400)
+        other = engine.submit(_prompt(2), max_new_tokens=12)
+        stream = doomed.stream(timeout=60)
+        next(stream)
+        doomed.cancel()
+        rest = list(stream)
+        assert rest[-1].finished and rest[-1].finish_reason == "cancelled"
+        assert doomed.result(timeout=60).finish_reason == "cancelled"
+        assert len(doomed.result().tokens) < 400
+        assert other.result(timeout=60).tokens == _alone(model, _prompt(2), 12)
+        # a third request takes the freed row
+        third = engine.submit(_prompt(3), max_new_tokens=5)
+        assert third.result(timeout=60).tokens == _alone(model, _prompt(3), 5)
+        assert engine.metrics()["requests_running"] == 0
+
+
+def test_per_request_strategies_and_bad_input(model):
+    with accel.Engine(model, max_batch=2, eos_token_id=[]) as engine:
+        h = engine.submit(_prompt(4), max_new_tokens=10, strategies=["prompt_lookup"])
+        assert h.result(timeout=60).tokens == _alone(model, _prompt(4), 10)
+        assert h.result().stats.drafted_tokens > 0
+        with pytest.raises(accel.StrategyError, match="unknown strategy"):
+            engine.submit(_prompt(4), strategies=["nope"])
+        with pytest.raises(ValueError, match="max_new_tokens"):
+            engine.submit(_prompt(4), max_new_tokens=-1)
+        with pytest.raises(ValueError, match="tokenizer"):
+            engine.submit("text needs a tokenizer")
+        with pytest.raises(ValueError, match="context"):
+            engine.submit(_prompt(4), max_new_tokens=10_000)
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.submit(_prompt(4))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_hooks_removed_and_memory_flat_over_500_requests(model):
+    attention = [m for m in model.modules() if hasattr(m, "q_proj")]
+    with accel.Engine(model, strategies=[PromptLookup()], max_batch=8, eos_token_id=[]) as engine:
+        rss = []
+        for wave in range(5):
+            handles = [engine.submit(_prompt(i), max_new_tokens=3) for i in range(100)]
+            assert all(len(h.result(timeout=300).tokens) == 3 for h in handles)
+            rss.append(_rss_bytes())
+        assert engine._batch.cache.batch_size == 0
+        assert engine.metrics()["requests_total"] == 500
+    assert rss[-1] - rss[1] < 20 * 2**20  # flat after the first waves warmed the allocator
+    assert all(not m._forward_pre_hooks for m in attention)
+    assert model.config._attn_implementation == "sdpa"
