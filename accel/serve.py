@@ -40,6 +40,7 @@ from typing import Any, AsyncIterator, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .strategy import StrategyError, build_strategies
+from .text import TextStream
 
 try:
     import anyio
@@ -110,7 +111,7 @@ class _Sampling(_Wire):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)  # extension (as vLLM); 0 or None: off
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), lt=2**64)  # what torch.Generator.manual_seed takes
     stream: bool | None = None
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = None
@@ -229,21 +230,6 @@ class StopMatcher:
         return longest
 
 
-class _TextDecoder:
-    """Incremental text for engines whose deltas carry no text: decode all, emit the new tail."""
-
-    def __init__(self, tokenizer: Any):
-        self.tokenizer, self.tokens, self.sent = tokenizer, [], 0
-
-    def feed(self, tokens: list[int]) -> str:
-        self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next bytes
-            return ""
-        out, self.sent = text[self.sent :], len(text)
-        return out
-
-
 # --------------------------------------------------------------------------------------------
 # The engine bridge
 # --------------------------------------------------------------------------------------------
@@ -348,6 +334,9 @@ _ENGINE_METRICS = {
     "mean_accepted": ("accel_mean_accepted_tokens", "gauge", "Tokens emitted per verify step, bonus token included."),
     "batch_occupancy": ("accel_batch_occupancy", "gauge", "Live rows per verify step over max_batch."),
     "kv_bytes": ("accel_kv_bytes", "gauge", "Bytes held by the shared KV cache now."),
+    "accepted_tokens": ("accel_accepted_draft_tokens_total", "counter", "Draft tokens accepted (bonus tokens excluded)."),
+    "batch_rows_stepped": ("accel_batch_rows_stepped_total", "counter", "Rows summed over verify steps."),
+    "max_batch": ("accel_max_batch", "gauge", "Rows the engine decodes together at most."),
 }
 
 
@@ -428,10 +417,6 @@ class _Server:
 
     def job(self, req: _Sampling) -> _Job:
         """Check what pydantic cannot and turn the request into token ids (runs in a thread)."""
-        with self.tokenizer_lock:
-            return self._job(req)
-
-    def _job(self, req: _Sampling) -> _Job:
         if req.model is not None and req.model not in self.names:
             raise ApiError(404, f"The model '{req.model}' does not exist; this server serves '{self.model_id}'",
                            "model", "model_not_found")
@@ -486,7 +471,8 @@ class _Server:
         messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
                     for m in req.messages]
         try:
-            return chat_ids(self.tokenizer, messages)[0].tolist()
+            with self.tokenizer_lock:
+                return chat_ids(self.tokenizer, messages)[0].tolist()
         except Exception as err:  # a template may refuse a conversation (e.g. roles out of order)
             raise ApiError(400, f"messages: the chat template refused them ({err})", "messages", "invalid_value") from None
 
@@ -500,7 +486,8 @@ class _Server:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ApiError(400, "prompt: this server has no tokenizer; send token ids", "prompt", "invalid_value")
-            return list(self.tokenizer(prompt).input_ids)
+            with self.tokenizer_lock:
+                return list(self.tokenizer(prompt).input_ids)
         bad = [t for t in prompt if t < 0 or (self.vocab_size is not None and t >= self.vocab_size)]
         if bad:
             raise ApiError(400, f"prompt: token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})"
@@ -531,18 +518,22 @@ class _Server:
         """
         bridge = _Bridge(handle, asyncio.get_running_loop())
         matcher = StopMatcher(job.stops)
-        decoder = _TextDecoder(self.tokenizer) if self.tokenizer is not None else None
+        decoder = TextStream(self.tokenizer) if self.tokenizer is not None else None  # for engines without text
         tokens, finish = 0, None
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + _DISCONNECT_POLL_S
         try:
             while True:
+                if request is not None and loop.time() >= next_check:  # deltas may never pause
+                    if await request.is_disconnected():
+                        raise _ClientGone()
+                    next_check = loop.time() + _DISCONNECT_POLL_S
                 if request is None:
                     item = await bridge.queue.get()
                 else:
                     try:
-                        item = await asyncio.wait_for(bridge.queue.get(), _DISCONNECT_POLL_S)
+                        item = await asyncio.wait_for(bridge.queue.get(), max(0.0, next_check - loop.time()))
                     except asyncio.TimeoutError:
-                        if await request.is_disconnected():
-                            raise _ClientGone() from None
                         continue
                 if item is _END:
                     break
@@ -552,7 +543,7 @@ class _Server:
                     tokens += len(item.tokens)
                     text = item.text
                     if text is None and decoder is not None:
-                        text = decoder.feed(list(item.tokens))
+                        text = decoder.push(list(item.tokens), final=item.finished)
                     out, matched = matcher.feed(text or "")
                     if out:
                         yield out

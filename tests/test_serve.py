@@ -8,6 +8,7 @@ import json
 import socket
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -24,17 +25,15 @@ from accel.models import chat_ids  # noqa: E402
 from accel.serve import StopMatcher, create_app  # noqa: E402
 from helpers import make_tiny_model, make_tiny_tokenizer  # noqa: E402
 
-if not hasattr(accel, "Engine"):
-    pytest.skip("accel.Engine is not merged yet", allow_module_level=True)
-
 MODEL_ID = "tiny-llama"
+CONTEXT = 4096  # long enough that a request outlives its impatient client
 TIMEOUT = httpx.Timeout(30.0)
 
 
 @pytest.fixture(scope="module")
 def server():
     """The app on a real uvicorn server in a thread, bound to 127.0.0.1 on a free port."""
-    model, tokenizer = make_tiny_model(), make_tiny_tokenizer()
+    model, tokenizer = make_tiny_model(max_position_embeddings=CONTEXT), make_tiny_tokenizer()
     engine = accel.Engine(model, strategies=[], max_batch=8, tokenizer=tokenizer)
     app = create_app(engine, tokenizer, model_id=MODEL_ID, context_length=model.config.max_position_embeddings,
                      vocab_size=model.config.vocab_size, default_max_tokens=16)
@@ -53,7 +52,7 @@ def server():
         # References come from a second copy of the same weights, so that the test thread and
         # the engine's loop thread never share a module.
         yield SimpleNamespace(url=f"http://127.0.0.1:{port}", engine=engine, tokenizer=tokenizer,
-                              reference_model=make_tiny_model())
+                              reference_model=make_tiny_model(max_position_embeddings=CONTEXT))
     finally:
         uv.should_exit = True
         thread.join(20)
@@ -106,7 +105,7 @@ def test_health_and_models(client, http):
     assert http.get("/health").json()["status"] == "ok"
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_ID]
-    assert http.get(f"/v1/models/{MODEL_ID}").json()["max_model_len"] == 512
+    assert http.get(f"/v1/models/{MODEL_ID}").json()["max_model_len"] == CONTEXT
 
 
 def test_chat_non_streaming_equals_generate(server, client):
@@ -244,7 +243,7 @@ def test_stop_strings_across_token_boundaries(server, http, client):
 # ------------------------------------------------------------------------------ bad input
 
 CHAT = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
-LONG = list(range(6, 96)) * 6  # 540 token ids: longer than the tiny model's 512 positions
+LONG = list(range(6, 96)) * 46  # 4140 token ids: longer than the context
 
 
 @pytest.mark.parametrize(
@@ -273,6 +272,9 @@ LONG = list(range(6, 96)) * 6  # 540 token ids: longer than the tiny model's 512
         ("/v1/chat/completions", {**CHAT, "temperature": 3}, 400, "temperature", "invalid_value"),
         ("/v1/chat/completions", {**CHAT, "top_p": 0}, 400, "top_p", "invalid_value"),
         ("/v1/chat/completions", {**CHAT, "n": 2}, 400, "n", "invalid_value"),
+        ("/v1/chat/completions", {**CHAT, "seed": 2**70}, 400, "seed", "invalid_value"),
+        ("/v1/chat/completions", {**CHAT, "accel": [{"name": "snapkv", "budget": 4, "window": 8}]}, 400, "accel",
+         "invalid_strategy"),
         ("/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "invalid_value"),
         ("/v1/chat/completions", {**CHAT, "stop": [""]}, 400, "stop", "invalid_value"),
         ("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options",
@@ -283,7 +285,7 @@ LONG = list(range(6, 96)) * 6  # 540 token ids: longer than the tiny model's 512
         ("/v1/completions", {"prompt": ["a", "b"], "max_tokens": 4}, 400, "prompt", "invalid_value"),
         ("/v1/completions", {"prompt": [3, 97], "max_tokens": 4}, 400, "prompt", "invalid_value"),
         ("/v1/completions", {"prompt": LONG, "max_tokens": 4}, 400, "prompt", "context_length_exceeded"),
-        ("/v1/completions", {"prompt": LONG[:500], "max_tokens": 20}, 400, "max_tokens",
+        ("/v1/completions", {"prompt": LONG[:CONTEXT - 10], "max_tokens": 20}, 400, "max_tokens",
          "context_length_exceeded"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "unknown_parameter"),
         ("/v1/completions", b'{"prompt": "' + b"a " * (1 << 20) + b'"}', 413, None, "request_too_large"),
@@ -354,6 +356,9 @@ def test_sixteen_concurrent_streams_each_get_their_answer(server):
     assert asyncio.run(all_of_them()) == expected
 
 
+LONG_RUNNER = "the big dog and the small cat"  # the tiny model writes no eos for 4000 tokens after it
+
+
 def _metric(http, name):
     total = 0.0
     for line in http.get("/metrics").text.splitlines():
@@ -364,7 +369,7 @@ def _metric(http, name):
 
 def test_client_disconnect_cancels_its_request(server, http):
     before = _metric(http, "accel_http_cancelled_total")
-    body = {"prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True}
+    body = {"prompt": LONG_RUNNER, "max_tokens": CONTEXT - 16, "temperature": 0, "stream": True}
     with httpx.Client(base_url=server.url, timeout=TIMEOUT) as other:
         with other.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200
@@ -381,7 +386,7 @@ def test_client_disconnect_cancels_its_request(server, http):
 
 def test_client_that_gives_up_on_a_non_streaming_request_cancels_it(server, http):
     before = _metric(http, "accel_http_cancelled_total")
-    body = {"prompt": "hello", "max_tokens": 400, "temperature": 0}
+    body = {"prompt": LONG_RUNNER, "max_tokens": CONTEXT - 16, "temperature": 0}
     with httpx.Client(base_url=server.url, timeout=httpx.Timeout(30.0, read=0.3)) as impatient:
         with pytest.raises(httpx.ReadTimeout):
             impatient.post("/v1/completions", json=body)
@@ -453,7 +458,6 @@ def test_cli_rejects_a_bad_strategy_before_loading(capsys):
 def _load_script():
     import importlib.util
     import sys
-    from pathlib import Path
 
     if "serve_load" not in sys.modules:
         path = Path(__file__).resolve().parents[1] / "benchmarks" / "serve_load.py"
@@ -483,3 +487,47 @@ def test_load_script_smoke(server, capsys):
     out = capsys.readouterr().out
     assert "4 completed, 0 failed, 0 truncated" in out and "TTFT p50" in out
     assert load.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and load.percentile([], 95) is None
+
+
+def test_accel_serve_command_end_to_end(tmp_path):
+    """``accel serve --model DIR`` in a subprocess: loads, serves, and exits cleanly on Ctrl-C."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    folder = tmp_path / "tiny"
+    make_tiny_model().save_pretrained(folder)
+    make_tiny_tokenizer().save_pretrained(folder)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]),
+                                                                      os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.Popen([sys.executable, "-m", "accel.cli", "serve", "--model", str(folder), "--port", str(port),
+                             "--model-name", "tiny", "--max-batch", "2", "--log-level", "warning"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "accel serve did not come up"
+            try:
+                if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        models = httpx.get(url + "/v1/models", timeout=5).json()
+        assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 512
+        r = httpx.post(url + "/v1/chat/completions", timeout=30, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1, r.text
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            rc = proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise
+    assert rc == 0, proc.stdout.read()
