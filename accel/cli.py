@@ -1,4 +1,5 @@
-"""The ``accel`` command line: ``accel generate``, ``accel bench``, ``accel train-heads``, ``accel serve``."""
+"""The ``accel`` command line: ``accel generate``, ``accel bench``, ``accel train-heads``,
+``accel calibrate``, ``accel serve``."""
 
 from __future__ import annotations
 
@@ -45,6 +46,54 @@ def _train_heads(args: argparse.Namespace) -> int:
     from speculative.train import run_cli
 
     return run_cli(args)
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+    from rich.table import Table
+
+    from accel.calibrate import calibration_enabled, calibration_key, calibration_path, cost_table
+    from accel.models import load_model
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, prepack=False)
+    table = cost_table(model, force=args.force)
+    key = calibration_key(model)
+    console = Console()
+    unit = "ms" if table.measured else "nominal units"
+    grid = Table(title=f"one verify pass ({unit}), {table.kernels} kernels: query tokens x cached entries")
+    grid.add_column("cached", justify="right")
+    for t in table.tokens:
+        grid.add_column(str(t), justify="right")
+    for c, row in zip(table.cache_lens, table.ms):
+        grid.add_row(str(c), *(f"{x:.1f}" for x in row))
+    console.print(grid)
+    if table.kernel_ms:
+        kern = Table(title=f"plain vs packed linear kernels ({unit})")
+        kern.add_column("cached", justify="right")
+        kern.add_column("tokens", justify="right")
+        for name in table.kernel_ms:
+            kern.add_column(name, justify="right")
+        for ci, c in enumerate(table.cache_lens):
+            for ti, t in enumerate(table.kernel_tokens):
+                kern.add_row(str(c), str(t), *(f"{g[ci][ti]:.1f}" for g in table.kernel_ms.values()))
+        console.print(kern)
+    machine = key["machine"]
+    console.print(f"model {args.model} ({key['model']['class']}), {key['device']['type']} {key['dtype']}, "
+                  f"{key['threads']} threads, {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}")
+    console.print(f"prefer_prepack: {table.prefer_prepack}")
+    if table.load is not None and table.load > (machine["cores"] or 1):
+        console.print(f"[yellow]warning: the load average was {table.load:.1f} on {machine['cores']} cores while "
+                      f"measuring; the timings are disturbed (rerun with --force on a quieter machine)[/yellow]")
+    if calibration_enabled():
+        console.print(f"cached at {calibration_path(key)} (the measurement took {table.seconds:.1f} s)")
+    else:
+        console.print("ACCEL_CALIBRATION=off: static defaults (not measured, not cached)")
+    return 0
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -115,6 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default=None)
     t.add_argument("--restart", action="store_true", help="discard cached data and checkpoints in --out")
     t.set_defaults(func=_train_heads, parser=t)
+
+    c = sub.add_parser("calibrate", help="measure verify-pass costs on this machine and cache them",
+                       description="Time verify passes of the model (plain and packed linear kernels, a grid of "
+                       "query tokens x cached entries) and cache the table that accel's cost-based choices read. "
+                       "Runs once per model, device, dtype, threads and machine; later calls read the cache.")
+    c.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local folder or a .gguf file")
+    c.add_argument("--threads", type=int, default=None, help="torch CPU threads to measure with (default: torch's choice)")
+    c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    c.add_argument("--device", default="cpu")
+    c.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
+    c.set_defaults(func=_calibrate)
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat, completions, SSE streaming)",
                        description="OpenAI-compatible server (FastAPI + uvicorn) on an accel Engine: "

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "is_prepacked", "prepack", "prepack_available"]
+__all__ = ["PackedLinear", "is_prepacked", "prepack", "prepack_available", "unprepack"]
 
 _ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; 1-16 rows all run fast in it
 
@@ -163,3 +163,23 @@ def prepack(model: nn.Module) -> nn.Module:
 def is_prepacked(model: nn.Module) -> bool:
     """Whether :func:`prepack` swapped any layer of ``model``."""
     return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def unprepack(model: nn.Module) -> nn.Module:
+    """Undo :func:`prepack`: swap each :class:`PackedLinear` of ``model`` back for an
+    ``nn.Linear`` holding the same ``weight`` and ``bias`` parameters, in place, and return
+    ``model``. The packed copies are freed; ties and state dicts are unchanged."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, PackedLinear)]
+    for name, module in targets:
+        linear = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(linear)
+        linear.in_features, linear.out_features = module.in_features, module.out_features
+        linear.weight = module.weight
+        if module.bias is None:
+            linear.register_parameter("bias", None)
+        else:
+            linear.bias = module.bias
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, linear)
+    return model

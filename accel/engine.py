@@ -18,27 +18,36 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import adapter
+from . import adapter, calibrate
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
+from .cost_model import CostTable, acceptance_gains, allocate_drafts
 from .strategy import DraftContext, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
 __all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "propose", "verify", "accept", "commit",
-           "decode", "draft_budget", "batch_steps", "run_batch"]
+           "decode", "draft_budgets", "batch_steps", "run_batch"]
 
-# Largest draft tree verified in one pass, by cache size, unless the caller sets one. Measured
-# on the default model, 2-core CPU, float32, weights prepacked (benchmarks/verify_cost.py).
+# No fixed draft limit by default: the measured cost table sizes each step's drafts.
 DEFAULT_MAX_DRAFT: int | None = None
 
 Warp = Callable[[torch.Tensor], torch.Tensor]
 
 
-def draft_budget(cached_entries: int, batch: int = 1) -> int:
-    """Draft nodes per row worth verifying in one pass over ``cached_entries`` stored entries
-    with ``batch`` rows (the static rule used when no measured cost table applies)."""
-    per_row = 15 if cached_entries < 2048 else 7
-    return per_row if batch <= 1 else max(0, min(per_row, 16 // batch - 1))
+#: The most draft nodes one row verifies per step when the caller sets no limit; the cost
+#: table decides how many of them are worth it.
+MAX_DRAFT_PER_ROW = 16
+
+
+def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_per_row: int) -> list[int]:
+    """Draft nodes each row may verify this step, from the measured cost of a padded verify
+    pass (``table``, see :func:`accel.cost_model.allocate_drafts`) and each row's running
+    acceptance rate and drafting time: as the batch grows, a deeper tree costs every row,
+    so drafting shrinks, down to none when plain batched decoding is faster."""
+    gains = [acceptance_gains(r.acceptance_rate, max_per_row) if r.plan.drafters else [] for r in rows]
+    # the static table (calibration off) is a shape in units of one step, not milliseconds
+    drafter_ms = [r.draft_ms for r in rows] if table.measured else None
+    return allocate_drafts(table, cache_len, gains, max_per_row, drafter_ms=drafter_ms)
 
 
 @dataclass
@@ -289,6 +298,32 @@ class Row:
     finish_reason: str | None = None  # "stop" | "length" | "cancelled"
     started: float = field(default_factory=time.perf_counter)
     tag: Any = None  # the caller's handle for this row
+    # Running estimate of the chance that a draft token is accepted given its parent was (a
+    # geometric fit to recent accepted depths, hits / (hits + misses)), and of the drafters'
+    # milliseconds per step; they size the row's drafts (Batch.budgets).
+    hits: float = 1.0
+    misses: float = 1.0
+    draft_ms: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.hits / (self.hits + self.misses)
+
+    def observe(self, tree: DraftTree, acc: Acceptance, draft_s: float) -> None:
+        """Update the acceptance and drafting-time estimates after one step.
+
+        Recent steps weigh most (decay 0.9). A step without drafts pulls the estimate back
+        towards the prior 1/2, so a row whose drafts stopped paying tries again later.
+        """
+        if not tree.num_drafts:
+            self.hits = 0.97 * self.hits + 0.03
+            self.misses = 0.97 * self.misses + 0.03
+            return
+        deepest = max(len(p) for p in tree.paths) - 1
+        self.hits = 0.9 * self.hits + acc.accepted
+        self.misses = 0.9 * self.misses + (1.0 if acc.accepted < deepest else 0.0)
+        ms = draft_s * 1e3
+        self.draft_ms = 0.8 * self.draft_ms + 0.2 * ms if self.draft_ms else ms
 
     @property
     def done(self) -> bool:
@@ -324,12 +359,15 @@ class Batch:
     ``retire`` removes finished or cancelled rows. ``accel.generate`` admits every row at
     once and steps until all are done; ``accel.Engine`` admits between steps.
 
-    max_draft: the most draft nodes a row may verify per step (None: sized by
-    :func:`draft_budget` from the cache and the batch).
+    max_draft: the most draft nodes a row may verify per step (None: up to
+    ``MAX_DRAFT_PER_ROW``); within it :func:`draft_budgets` sizes each step's drafts from the
+    measured cost table (``costs``; default: :func:`accel.calibrate.cost_table` of the model).
     """
 
-    def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0):
+    def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0,
+                 costs: CostTable | None = None):
         self.model = model
+        self.costs = costs
         self.geo = adapter.geometry(model)
         self.windows = adapter.layer_windows(model)
         self.max_draft = max_draft
@@ -363,22 +401,26 @@ class Batch:
         self.rows.extend(rows)
 
     def budgets(self) -> list[int]:
-        """Draft nodes each live row may propose this step."""
-        if self.max_draft is not None:
-            return [self.max_draft] * len(self.rows)
-        longest = self.cache.committed_length(0)
-        per_row = draft_budget(longest, len(self.rows))
-        return [per_row] * len(self.rows)
+        """Draft nodes each live row may propose this step (see :func:`draft_budgets`)."""
+        if not any(r.plan.drafters for r in self.rows):
+            return [0] * len(self.rows)
+        if self.costs is None:
+            self.costs = calibrate.cost_table(self.model)
+        cap = self.max_draft if self.max_draft is not None else MAX_DRAFT_PER_ROW
+        return draft_budgets(self.costs, self.cache.committed_length(0), self.rows, cap)
 
     def step(self) -> list[list[int]]:
         """One verify forward for every live row; returns each row's newly emitted tokens."""
         rows = self.rows
         t0 = time.perf_counter()
         trees, sources = [], []
+        draft_s = []
         for row, budget in zip(rows, self.budgets()):
             ctx = DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
                                generator=row.generator)
+            t = time.perf_counter()
             tree, source = propose(row.plan, row.states, ctx)
+            draft_s.append(time.perf_counter() - t)
             trees.append(tree)
             sources.append(source)
         hidden = verify(self.model, self.cache, trees, self.geo.dtype)  # [B, T, H]
@@ -412,6 +454,7 @@ class Batch:
             s.accepted_per_step.append(acc.accepted)
             if row.plan.drafters:
                 _feedback(row.plan, row.states, sources[b], acc)
+                row.observe(tree, acc, draft_s[b])
             if row.hidden is not None:
                 row.hidden = hidden[b, acc.path[-1]]
         return out

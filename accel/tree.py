@@ -143,8 +143,14 @@ class DraftTree:
         return cls(tokens, parents, probs)
 
     @classmethod
-    def chain(cls, root_token: int, tokens: Sequence[int] | torch.Tensor, device=None) -> DraftTree:
-        """A single path: root -> tokens[0] -> tokens[1] -> ..."""
+    def chain(
+        cls, root_token: int, tokens: Sequence[int] | torch.Tensor, device: torch.device | str | None = None
+    ) -> DraftTree:
+        """A single path: root -> tokens[0] -> tokens[1] -> ...
+
+        device: where the tree's tensors live (pass the model's); default the device of
+        ``tokens`` when it is a tensor, else the CPU.
+        """
         if isinstance(tokens, torch.Tensor):
             device = device if device is not None else tokens.device
             tokens = tokens.reshape(-1).tolist()
@@ -156,8 +162,9 @@ class DraftTree:
         )
 
     @classmethod
-    def root_only(cls, root_token: int, device=None) -> DraftTree:
-        """The tree with no drafts: plain decoding of one token."""
+    def root_only(cls, root_token: int, device: torch.device | str | None = None) -> DraftTree:
+        """The tree with no drafts: plain decoding of one token, its tensors on ``device``
+        (pass the model's; default the CPU)."""
         return cls.chain(root_token, [], device=device)
 
     # ------------------------------------------------------------------ helpers

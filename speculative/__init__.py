@@ -1,13 +1,14 @@
 """Drafters and lossy acceptance rules for accel's speculative decoding.
 
 Importing the package registers the ``typical`` acceptance rule and the drafters
-(``prompt_lookup``, ``medusa``). Draft trees and the exact acceptance rules are core verify
+(``prompt_lookup``, ``medusa``, ``draft_model``). Draft trees and the exact acceptance rules are core verify
 machinery and live in ``accel.tree`` / ``accel.acceptance``.
 """
 
 from .typical import TypicalAcceptance
 from .prompt_lookup import PromptLookup
 from .medusa import Medusa, MedusaHeads
+from .draft_model import DraftModel
 from .medusa_trees import TREES, build_tree
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "PromptLookup",
     "Medusa",
     "MedusaHeads",
+    "DraftModel",
     "TREES",
     "build_tree",
 ]

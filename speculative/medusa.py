@@ -812,7 +812,25 @@ class Medusa(Drafter):
             raise ValueError(f"medusa.tree has paths {deepest} deep but the heads in '{loaded.source}' are {depth}")
         return truncate_paths(self.tree, self.max_nodes)
 
+    def check(self, model: Any) -> None:
+        """Raise a ValueError unless these heads can draft for ``model``: the heads folder
+        loads, and its hidden size, vocabulary, input embeddings (sequential heads) and the
+        tree's depth fit the model. Loads the heads (cached), so a bad folder fails before
+        the prefill; a missing folder or file is a ValueError here too."""
+        try:
+            self._fit(model)
+        except FileNotFoundError as err:
+            raise ValueError(f"medusa.heads: {err}") from err
+
     def start(self, model: Any, prompt: torch.Tensor) -> _State:
+        loaded, head_dtype, embed, paths = self._fit(model)
+        out = model.get_output_embeddings()
+        lm = None if loaded.own_lm_head else _lm_layer(out, head_dtype, loaded.packed.subset)
+        return _State(loaded, lm, paths, embed)
+
+    def _fit(self, model: Any) -> tuple[_Loaded, torch.dtype, torch.Tensor | None, tuple[TreePath, ...]]:
+        """The checks of :meth:`check`; returns (heads, head dtype, input embeddings [V, H]
+        for sequential heads or None, tree paths)."""
         out = model.get_output_embeddings()
         param = next(model.parameters())
         model_dtype, device = param.dtype, param.device
@@ -843,8 +861,7 @@ class Medusa(Drafter):
             if not isinstance(embed, torch.Tensor) or tuple(embed.shape) != (vocab, hidden):
                 raise ValueError(f"the sequential Medusa heads in '{loaded.source}' read the model's input embeddings, "
                                  f"but {type(model).__name__} has no [{vocab}, {hidden}] embedding weight")
-        lm = None if loaded.own_lm_head else _lm_layer(out, head_dtype, loaded.packed.subset)
-        return _State(loaded, lm, self.paths_for(loaded), embed)
+        return loaded, head_dtype, embed, self.paths_for(loaded)
 
     def propose(self, state: _State, ctx: DraftContext) -> DraftProposal | None:
         if ctx.hidden is None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["TINY_VOCAB", "make_tiny_config", "make_tiny_model", "make_tiny_tokenizer"]
+__all__ = ["TINY_VOCAB", "SMALL_DRAFT", "make_tiny_config", "make_tiny_model", "make_tiny_tokenizer"]
 
 #: Vocabulary size of the tiny models (ids 0..96; 0 = bos/pad, 1 = eos).
 TINY_VOCAB = 97
+
+#: ``make_tiny_model`` overrides for a smaller model of the same vocabulary (a draft model).
+SMALL_DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_kv_heads=1)
 
 
 def make_tiny_config(num_kv_heads: int = 2, **overrides) -> LlamaConfig:

@@ -77,7 +77,9 @@ def test_every_row_equals_that_row_alone(combo, heads_dir):
     for p, row in zip(prompts, rows):
         assert row == _alone(model, p, strategies, 24, eos_token_id=[])
     assert res.stats.new_tokens == 5 * 24
-    if combo in ("lookup", "medusa", "snapkv+lookup", "ada+lookup+medusa"):
+    if "medusa" in combo:  # random heads: drafts are proposed (and rejected)
+        assert res.stats.drafted_tokens > 0
+    if "lookup" in combo and "medusa" not in combo:  # (random heads drive a row's acceptance estimate down)
         assert res.stats.drafted_tokens > 0 and res.stats.accepted_tokens > 0
         # rows accept different numbers of tokens: ragged acceptance happened
         assert len({s.verify_steps for s in res.row_stats}) > 1

@@ -302,3 +302,27 @@ def test_failed_runs_are_recorded_and_unavailable_baselines_reported(tmp_path, m
     summary = (out / "summary.md").read_text()
     assert "`broken` ⚠ 2 failed" in summary and "RuntimeError: boom" in summary
     assert "**unavailable:** kvpress does not import here" in summary
+
+
+def test_draft_model_run_and_hf_assisted_baseline(tmp_path):
+    from helpers import SMALL_DRAFT
+
+    draft_dir = tmp_path / "draft"
+    make_tiny_model(seed=9, **SMALL_DRAFT).save_pretrained(draft_dir)  # a checkpoint folder without tokenizer
+    data = dict(GOOD, tasks=[{"kind": "chat", "prompts": 2}],
+                baselines=["hf_generate", {"name": "hf_assisted", "model": str(draft_dir), "num_tokens": 3}],
+                runs={"draft_model": [{"name": "draft_model", "model": str(draft_dir), "num_tokens": 3}]})
+    exp = load_config(_write(tmp_path, data))
+    assert exp.configuration_names() == ["hf_generate", "hf_assisted", "draft_model"]
+    out = run_experiment(exp, tmp_path / "out", model=make_tiny_model(), tokenizer=CharTokenizer(), quiet=True)
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["config"] for r in rows}) == ["draft_model", "hf_assisted", "hf_generate"]
+    assert not [r["error"] for r in rows if r["error"]]
+    assert all(r["exact"] for r in rows)  # both draft-model methods reproduce greedy decoding
+
+    with pytest.raises(ConfigError, match="hf_assisted.model: Field required"):
+        load_config(_write(tmp_path, dict(GOOD, baselines=["hf_generate", "hf_assisted"])))
+    missing = dict(data, baselines=["hf_generate", {"name": "hf_assisted", "model": str(tmp_path / "nowhere")}], runs={})
+    out = run_experiment(load_config(_write(tmp_path, missing)), tmp_path / "out2", model=make_tiny_model(),
+                         tokenizer=CharTokenizer(), quiet=True)
+    assert "**unavailable:** draft model" in (out / "summary.md").read_text()

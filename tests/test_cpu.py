@@ -117,3 +117,19 @@ def test_packed_layer_from_unpackable_tensors_runs_f_linear():
     assert layer._packed is None and "not packed" in repr(layer)
     x = torch.randn(3, 4, dtype=torch.float16)
     assert torch.equal(layer(x), nn.functional.linear(x, w))
+
+
+def test_unprepack_restores_plain_linears_with_the_same_parameters():
+    from accel.cpu import unprepack
+
+    model = make_tiny_model(seed=6, tie_word_embeddings=True)
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    ids = torch.tensor([[3, 5, 7, 9]])
+    with torch.inference_mode():
+        ref = model(ids).logits
+    assert unprepack(prepack(model)) is model and not is_prepacked(model)
+    assert all(type(m) is not PackedLinear for m in model.modules())
+    assert {n: p.data_ptr() for n, p in model.named_parameters()} == params
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, ref)

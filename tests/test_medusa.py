@@ -572,3 +572,26 @@ def test_medusa_with_snapkv_on_the_default_model_is_exact(default_model):
     out = accel.generate(model, ids, strategies=[snap, Medusa()], max_new_tokens=48, tokenizer=tokenizer)
     assert torch.equal(out.sequences, ref.sequences)
     assert out.stats.kv_bytes_kept < out.stats.kv_bytes_full
+
+
+def test_check_refuses_heads_for_another_model_before_any_work(tmp_path):
+    from accel.strategy import Drafter
+    from speculative import PromptLookup
+
+    MedusaHeads(2, 32, TINY_VOCAB).save_pretrained(tmp_path / "hidden")
+    MedusaHeads(2, HIDDEN, TINY_VOCAB + 3).save_pretrained(tmp_path / "vocab")
+    random_heads(num_heads=2).save_pretrained(tmp_path / "good")
+    model = make_tiny_model()
+    with pytest.raises(ValueError, match="hidden size 32, but the model .* has hidden size 64"):
+        Medusa(heads=str(tmp_path / "hidden")).check(model)
+    with pytest.raises(ValueError, match="predict 100 tokens, but the model's vocabulary has 97"):
+        Medusa(heads=str(tmp_path / "vocab")).check(model)
+    with pytest.raises(ValueError, match="medusa.heads: .*does not exist"):
+        Medusa(heads=str(tmp_path / "nope")).check(model)
+    with pytest.raises(ValueError, match="holds no Medusa heads"):
+        Medusa(heads=str(tmp_path)).check(model)
+    with pytest.raises(ValueError, match="paths 3 deep but the heads .* are 2"):
+        Medusa(heads=str(tmp_path / "good"), tree=[[0], [0, 0], [0, 0, 0]]).check(model)
+    assert Medusa(heads=str(tmp_path / "good")).check(model) is None
+    assert PromptLookup().check(model) is None  # the default hook accepts every model
+    assert Drafter.check is PromptLookup.check

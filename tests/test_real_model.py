@@ -53,3 +53,19 @@ def test_drafters_keep_greedy_output(default_model, chats, compressed):
     for drafters in ([PromptLookup()], [Scripted(mode="random", size=8)], [PromptLookup(), Scripted(mode="random")]):
         out = accel.generate(model, ids, strategies=base + drafters, max_new_tokens=40)
         assert torch.equal(out.sequences, ref), [d.name for d in drafters]
+
+
+@pytest.mark.parametrize("strategies", [[], [PromptLookup()], [SnapKV(budget=40, window=8, kernel=5), PromptLookup()]],
+                         ids=["plain", "prompt_lookup", "snapkv+prompt_lookup"])
+def test_batch_of_four_chat_prompts_equals_row_by_row(default_model, chats, strategies):
+    model, tok = default_model
+    n = max(c.shape[1] for c in chats)
+    ids = torch.full((len(chats), n), tok.pad_token_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, c in enumerate(chats):
+        ids[i, n - c.shape[1]:], mask[i, n - c.shape[1]:] = c[0], 1
+    batch = accel.generate(model, ids, attention_mask=mask, strategies=strategies, max_new_tokens=40, tokenizer=tok)
+    for i, c in enumerate(chats):
+        alone = accel.generate(model, c, strategies=strategies, max_new_tokens=40, tokenizer=tok)
+        assert batch.text[i] == alone.text[0], CHAT[i]
+        assert batch.row_stats[i].new_tokens == alone.stats.new_tokens

@@ -166,3 +166,17 @@ def test_merge_sampled_proposals_are_not_deduplicated():
     assert p.probs.tolist() == [[0.0, 0.0, 1.0, 0.0], q[0].tolist()]  # point mass as one-hot
     with pytest.raises(ValueError, match="V=5"):
         merge_proposals([prop([2], [0], q), prop([1], [0], torch.full((1, 5), 0.2))], max_nodes=8)
+
+
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", _DEVICES)
+def test_chain_and_root_only_live_on_the_given_device(device):
+    want = torch.device(device).type
+    for tree in (DraftTree.chain(5, [6, 7], device=device), DraftTree.root_only(5, device=device),
+                 DraftTree.chain(5, torch.tensor([6, 7]), device=device)):
+        for name in ("tokens", "parents", "depth", "ancestor_mask", "retrieve_indices"):
+            assert getattr(tree, name).device.type == want, name
+    assert DraftTree.chain(5, torch.tensor([6, 7], device=device)).tokens.device.type == want
+    assert DraftTree.chain(5, [6, 7], device=device).token_list == [5, 6, 7]

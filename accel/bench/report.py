@@ -173,7 +173,7 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         "",
         "- **prefill s**: accel runs: prompt forward (with compression) + first token, from `Stats.prefill_s`. "
         "HF baselines: time from the `model.generate` call until a streamer receives the first new token(s) "
-        "(for `hf_prompt_lookup` that first forward also verifies the first draft).",
+        "(for `hf_prompt_lookup` and `hf_assisted` that first forward also verifies the first draft).",
         "- **decode tok/s**: tokens after the first one(s) ÷ the time after the prefill (accel: "
         "`Stats.decode_tokens / Stats.decode_s`; HF: (new tokens − first chunk) ÷ (e2e − prefill)).",
         "- **e2e s**: the whole `accel.generate` / `model.generate` call. Lossy configurations may "

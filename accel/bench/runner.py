@@ -8,10 +8,10 @@ What is measured (all wall-clock, ``time.perf_counter``, under ``torch.inference
   whole ``accel.generate`` call.
 - HF baselines (``model.generate``): ``e2e_s`` is the whole call. A streamer timestamps
   the first new token(s): ``prefill_s`` is the time from the call to that moment (for
-  ``hf_prompt_lookup`` the first forward also verifies the first draft, as transformers
-  merges them), ``decode_s = e2e_s - prefill_s`` and ``decode_tok_s`` counts the tokens
+  ``hf_prompt_lookup`` and ``hf_assisted`` the first forward also verifies the first draft,
+  as transformers merges them), ``decode_s = e2e_s - prefill_s`` and ``decode_tok_s`` counts the tokens
   after the first ones. Each later streamer chunk is one verify step, which gives
-  ``accepted_per_step`` (chunk length - 1) for prompt lookup too.
+  ``accepted_per_step`` (chunk length - 1) for prompt lookup and assisted generation too.
 - ``peak_rss_mib``: the process's peak resident memory during the call (the kernel's
   high-water mark, reset before each call; a sampling thread where that is not possible),
   model weights included. ``peak_gpu_mib`` on CUDA: ``torch.cuda.max_memory_allocated``.
@@ -39,7 +39,7 @@ import torch
 from .. import adapter
 from ..cpu import is_prepacked
 from ..strategy import Strategy, build_strategies
-from .schema import Experiment, HFGenerate, HFPromptLookup, KVPressSnapKV
+from .schema import Experiment, HFAssisted, HFGenerate, HFPromptLookup, KVPressSnapKV
 from .tasks import TaskItem, score
 
 __all__ = ["Configuration", "Measurement", "build_configurations", "run_grid", "PeakMemory"]
@@ -239,6 +239,26 @@ def _kvpress(model: Any, eos: list[int], pad: int, spec: KVPressSnapKV) -> tuple
     return run, None
 
 
+def _hf_assisted(model: Any, eos: list[int], pad: int, spec: HFAssisted) -> tuple[Callable | None, str | None]:
+    """transformers' assisted generation with the draft model ``spec.model`` (the same shared
+    object an accel ``draft_model`` run of that name drafts with); unavailable, with the
+    reason, when the draft model is not on this machine."""
+    from ..models import ModelNotAvailableError, load_shared
+
+    geo = adapter.geometry(model)
+    try:
+        draft, _ = load_shared(spec.model, geo.dtype, geo.device)
+    except ModelNotAvailableError as err:
+        return None, f"draft model {spec.model!r} is not available: {str(err).splitlines()[0]}"
+    extra = {
+        "assistant_model": draft,
+        "num_assistant_tokens": spec.num_tokens,
+        "num_assistant_tokens_schedule": spec.schedule,
+        "assistant_confidence_threshold": spec.confidence_threshold,
+    }
+    return _hf_generate(model, eos, pad, extra), None
+
+
 def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft: int | None) -> Callable[[TaskItem, int], Measurement]:
     import accel
 
@@ -291,6 +311,12 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
                 b.name, "baseline",
                 f"model.generate(do_sample=False, prompt_lookup_num_tokens={b.num_tokens}, "
                 f"max_matching_ngram_size={b.max_ngram})", True, _hf_generate(model, eos, pad, extra)))
+        elif isinstance(b, HFAssisted):
+            fn, why = _hf_assisted(model, eos, pad, b)
+            configs.append(Configuration(
+                b.name, "baseline", f"model.generate(do_sample=False, assistant_model={b.model}, "
+                f"num_assistant_tokens={b.num_tokens}, num_assistant_tokens_schedule={b.schedule}, "
+                f"assistant_confidence_threshold={b.confidence_threshold})", True, fn, why))
         elif isinstance(b, KVPressSnapKV):
             fn, why = _kvpress(model, eos, pad, b)
             configs.append(Configuration(

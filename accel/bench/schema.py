@@ -28,6 +28,7 @@ __all__ = [
     "Generation",
     "HFGenerate",
     "HFPromptLookup",
+    "HFAssisted",
     "KVPressSnapKV",
     "BASELINE_NAMES",
     "load_config",
@@ -130,6 +131,24 @@ class HFPromptLookup(_Model):
     """``max_matching_ngram_size``: longest n-gram matched."""
 
 
+class HFAssisted(_Model):
+    """``model.generate(..., assistant_model=DRAFT, num_assistant_tokens=num_tokens)``:
+    transformers' assisted generation with a draft model of the same tokenizer."""
+
+    name: Literal["hf_assisted"] = "hf_assisted"
+    model: str
+    """The draft model: a name or path for ``accel.load_model`` (e.g.
+    ``qwen2.5-coder-0.5b-instruct``), loaded in the experiment's dtype on its device."""
+    num_tokens: int = Field(5, gt=0)
+    """``num_assistant_tokens``: draft length."""
+    schedule: Literal["constant", "heuristic"] = "constant"
+    """``num_assistant_tokens_schedule``: ``constant`` drafts ``num_tokens`` every step, like
+    accel's ``draft_model``; ``heuristic`` grows and shrinks the length with acceptance."""
+    confidence_threshold: float = Field(0.0, ge=0, lt=1)
+    """``assistant_confidence_threshold``: stop drafting below this draft probability (0: never;
+    transformers' own default is 0.4)."""
+
+
 class KVPressSnapKV(_Model):
     """kvpress's SnapKVPress around ``model.generate``, keeping ``budget`` prompt entries per
     head (only if the optional ``kvpress`` package imports with this transformers)."""
@@ -143,8 +162,8 @@ class KVPressSnapKV(_Model):
     """kvpress ``kernel_size``."""
 
 
-Baseline = Annotated[Union[HFGenerate, HFPromptLookup, KVPressSnapKV], Field(discriminator="name")]
-BASELINE_NAMES = ("hf_generate", "hf_prompt_lookup", "kvpress_snapkv")
+Baseline = Annotated[Union[HFGenerate, HFPromptLookup, HFAssisted, KVPressSnapKV], Field(discriminator="name")]
+BASELINE_NAMES = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "kvpress_snapkv")
 
 
 # --------------------------------------------------------------------------- experiment
@@ -156,8 +175,8 @@ class Generation(_Model):
     max_new_tokens: int = Field(64, gt=0)
     """Tokens generated per item at most (all configurations stop at the model's eos too)."""
     max_draft_tokens: int | None = Field(None, gt=0)
-    """accel runs: the most draft nodes verified in one pass (None: sized to the cache by
-    ``accel.engine.draft_budget``)."""
+    """accel runs: the most draft nodes a row verifies in one pass (None: no limit but the
+    engine's; the measured cost table sizes each step, ``accel.engine.draft_budgets``)."""
     system: str | None = None
     """Optional system message for the chat template (default: the template's own)."""
 
@@ -174,9 +193,10 @@ class Experiment(_Model):
     id already in the local Hugging Face cache (nothing is downloaded)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Model weights and KV cache dtype."""
-    prepack: bool = True
-    """Pack float32 linear weights for oneDNN once (``accel.cpu.prepack``; CPU only). The
-    baselines run on the same model, so they get the faster kernels too."""
+    prepack: bool | Literal["auto"] = "auto"
+    """Pack float32 linear weights for oneDNN once (``accel.cpu.prepack``; CPU only): true,
+    false, or ``auto`` (where this machine's calibration measured packed kernels faster). The
+    baselines run on the same model, so they get the same kernels."""
     device: str = "cpu"
     """torch device, e.g. ``cpu`` or ``cuda:0``."""
     threads: int | None = Field(None, gt=0)
@@ -187,7 +207,8 @@ class Experiment(_Model):
     """Named accel configurations: each a list of strategy specs (``"snapkv:budget=512"`` or
     ``{name: snapkv, budget: 512}``), ``[]`` for accel's plain decoding."""
     baselines: list[Baseline] = Field(default_factory=lambda: [HFGenerate()])
-    """HF reference configurations: ``hf_generate``, ``hf_prompt_lookup``, ``kvpress_snapkv``."""
+    """HF reference configurations: ``hf_generate``, ``hf_prompt_lookup``, ``hf_assisted``,
+    ``kvpress_snapkv``."""
     reference: str = "hf_generate"
     """The configuration every speed-up is a ratio to (a baseline or run name)."""
     generation: Generation = Field(default_factory=Generation)

@@ -1,0 +1,247 @@
+"""What a verify step costs and how many draft tokens each row should verify: pure functions.
+
+A :class:`CostTable` holds the time of one verify forward pass (decoder stack plus output
+head) measured on this machine at a small grid of query tokens x cache lengths, and the time
+of a few passes with plain and with oneDNN-packed linear kernels. :mod:`accel.calibrate`
+measures and caches it; nothing here times anything, so tests drive the choices with hand-made
+tables.
+
+- :meth:`CostTable.step_ms` interpolates the grid piecewise-linearly (and extrapolates
+  linearly beyond it).
+- :attr:`CostTable.prefer_prepack` says whether packed kernels won on this machine.
+- :func:`allocate_drafts` splits a step's draft tokens over the rows of a batch so that the
+  expected tokens per millisecond are highest.
+- :func:`acceptance_gains` is the expected gain of each draft token of a chain.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CostTable", "acceptance_gains", "allocate_drafts", "packed_is_faster", "static_table"]
+
+KERNELS = ("plain", "packed")
+
+
+@dataclass(frozen=True)
+class CostTable:
+    """Measured costs of verify passes on one (model, device, dtype, threads, machine).
+
+    tokens: query tokens of one pass, ascending (e.g. 1, 2, 4, ..., 64).
+    cache_lens: cached entries each query attends over, ascending (e.g. 256, 2048).
+    ms: [len(cache_lens)][len(tokens)] median milliseconds of one pass, run with ``kernels``.
+    kernels: the linear kernels the grid was measured with, ``"plain"`` or ``"packed"``.
+    kernel_tokens: query tokens of the plain-vs-packed comparison passes.
+    kernel_ms: kernel name -> [len(cache_lens)][len(kernel_tokens)] median ms; only kernels
+        this model can run appear (no ``"packed"`` off a float32 CPU model).
+    measured: False for :func:`static_table` (nominal units, shape only, not milliseconds).
+    key: what the table was measured for (model identity, device, dtype, threads, machine).
+    """
+
+    tokens: tuple[int, ...]
+    cache_lens: tuple[int, ...]
+    ms: tuple[tuple[float, ...], ...]
+    kernels: str = "plain"
+    kernel_tokens: tuple[int, ...] = ()
+    kernel_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
+    measured: bool = True
+    key: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0  # time the measurement took
+    load: float | None = None  # 1-minute load average when measured; above the core count, timings were disturbed
+
+    def __post_init__(self) -> None:
+        _check_axis("tokens", self.tokens)
+        _check_axis("cache_lens", self.cache_lens)
+        _check_grid("ms", self.ms, len(self.cache_lens), len(self.tokens))
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.kernel_ms:
+            _check_axis("kernel_tokens", self.kernel_tokens)
+        for name, grid in self.kernel_ms.items():
+            if name not in KERNELS:
+                raise ValueError(f"kernel_ms: unknown kernels {name!r}")
+            _check_grid(f"kernel_ms[{name}]", grid, len(self.cache_lens), len(self.kernel_tokens))
+
+    # ------------------------------------------------------------------ the model
+
+    def step_ms(self, total_tokens: int, cache_len: int) -> float:
+        """Milliseconds of one verify pass of ``total_tokens`` query tokens over ``cache_len``
+        cached entries: piecewise-linear in both, extrapolated linearly past the grid."""
+        return _positive(_interp(self.tokens, self._at_cache(cache_len), total_tokens))
+
+    def curve(self, cache_len: int, max_tokens: int) -> list[float]:
+        """``[step_ms(n, cache_len) for n in range(max_tokens + 1)]``, computed at once."""
+        row = self._at_cache(cache_len)
+        return [_positive(_interp(self.tokens, row, n)) for n in range(max_tokens + 1)]
+
+    def _at_cache(self, cache_len: int) -> list[float]:
+        """The grid's column for each token count, interpolated to ``cache_len``: [len(tokens)]."""
+        return [_interp(self.cache_lens, [r[t] for r in self.ms], cache_len) for t in range(len(self.tokens))]
+
+    @property
+    def prefer_prepack(self) -> bool:
+        """Whether packed linear kernels (:func:`accel.cpu.prepack`) beat plain ones here:
+        true only if they were measured and faster at every compared pass (a tie or a mixed
+        result keeps the plain kernels, which need no second copy of the weights)."""
+        return packed_is_faster(self.kernel_ms)
+
+    # ------------------------------------------------------------------ JSON
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "tokens": list(self.tokens),
+            "cache_lens": list(self.cache_lens),
+            "ms": [list(r) for r in self.ms],
+            "kernels": self.kernels,
+            "kernel_tokens": list(self.kernel_tokens),
+            "kernel_ms": {k: [list(r) for r in g] for k, g in self.kernel_ms.items()},
+            "measured": self.measured,
+            "key": self.key,
+            "seconds": self.seconds,
+            "load": self.load,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CostTable":
+        """Inverse of :meth:`to_dict`; raises ValueError (or KeyError / TypeError) on a
+        malformed mapping."""
+        return cls(
+            tokens=tuple(int(x) for x in d["tokens"]),
+            cache_lens=tuple(int(x) for x in d["cache_lens"]),
+            ms=tuple(tuple(float(x) for x in r) for r in d["ms"]),
+            kernels=str(d["kernels"]),
+            kernel_tokens=tuple(int(x) for x in d.get("kernel_tokens", ())),
+            kernel_ms={str(k): tuple(tuple(float(x) for x in r) for r in g) for k, g in d.get("kernel_ms", {}).items()},
+            measured=bool(d["measured"]),
+            key=dict(d.get("key", {})),
+            seconds=float(d.get("seconds", 0.0)),
+            load=None if d.get("load") is None else float(d["load"]),
+        )
+
+
+def packed_is_faster(kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> bool:
+    """Whether ``kernel_ms["packed"]`` is below ``kernel_ms["plain"]`` at every compared pass
+    (False when either is missing)."""
+    packed, plain = kernel_ms.get("packed"), kernel_ms.get("plain")
+    if not packed or not plain:
+        return False
+    return all(p < q for prow, qrow in zip(packed, plain) for p, q in zip(prow, qrow))
+
+
+def static_table() -> CostTable:
+    """The table used when calibration is off (``ACCEL_CALIBRATION=off``): ``measured=False``,
+    plain kernels (no prepacking), and a nominal cost curve in units of one decode step --
+    nearly flat for a few query tokens, then linear, steeper over a longer cache. It is a
+    shape, not a measurement of any machine: it keeps drafts moderate."""
+    return CostTable(
+        tokens=(1, 2, 4, 8, 16, 32, 64),
+        cache_lens=(256, 2048),
+        ms=((1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0),
+            (1.0, 1.1, 1.2, 1.45, 1.9, 2.8, 4.6)),
+        kernels="plain",
+        measured=False,
+    )
+
+
+# ---------------------------------------------------------------------------- allocation
+
+
+def acceptance_gains(rate: float, n: int) -> list[float]:
+    """Expected extra accepted tokens from each of the ``n`` draft tokens of a chain whose
+    tokens are each accepted with probability ``rate`` (given their parent was):
+    ``[rate, rate**2, ..., rate**n]``."""
+    if not 0.0 <= rate <= 1.0:
+        raise ValueError(f"rate must be in [0, 1], got {rate}")
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    return [rate ** (i + 1) for i in range(n)]
+
+
+def allocate_drafts(
+    table: CostTable,
+    cache_len: int,
+    gains: list[list[float]],
+    max_per_row: int,
+    drafter_ms: list[float] | None = None,
+) -> list[int]:
+    """How many draft tokens each row of a batch should verify in this step.
+
+    gains[b][i]: expected extra accepted tokens row b gets from its (i+1)-th draft token
+        (non-increasing in i, e.g. :func:`acceptance_gains`); a row offers at most
+        ``len(gains[b])`` tokens and gets at most ``max_per_row``.
+    drafter_ms[b] (optional): milliseconds row b's drafter costs in a step where it drafts
+        at all (k_b > 0); rows that get no drafts do not pay it.
+
+    The batched verify pass pads every row's tree to the step's largest, so a step that
+    lets some row verify m drafts costs ``step_ms(B * (m + 1), cache_len)`` whatever the
+    others verify: below the deepest row, draft tokens are free. The rule therefore picks
+    one depth m (0 .. the largest cap) and gives every row ``min(m, its cap)`` drafts,
+    except rows whose expected gain does not pay for their drafter's own cost; it returns
+    the allocation with the most expected tokens per millisecond,
+    ``(B + sum of the chosen gains) / (step_ms(B * (m + 1)) + drafter ms of drafting rows)``.
+    Rows may get 0, and m = 0 (plain decoding) wins whenever drafting does not pay. The
+    costs come from ``table``, measured on this machine by :mod:`accel.calibrate`, not
+    from constants.
+    """
+    rows = len(gains)
+    if max_per_row < 0:
+        raise ValueError(f"max_per_row must be >= 0, got {max_per_row}")
+    if drafter_ms is not None and len(drafter_ms) != rows:
+        raise ValueError(f"drafter_ms has {len(drafter_ms)} entries for {rows} rows")
+    if rows == 0:
+        return []
+    caps = [min(max_per_row, len(g)) for g in gains]
+    fixed = [float(x) for x in drafter_ms] if drafter_ms is not None else [0.0] * rows
+    prefix = [[0.0] for _ in range(rows)]  # prefix[b][j]: sum of row b's first j gains
+    for b in range(rows):
+        for i in range(caps[b]):
+            prefix[b].append(prefix[b][-1] + float(gains[b][i]))
+    deepest = max(caps)
+    cost = table.curve(cache_len, rows * (deepest + 1))
+    best_ratio, best = rows / cost[rows], [0] * rows
+    for m in range(1, deepest + 1):
+        take = [b for b in range(rows) if caps[b] > 0 and prefix[b][min(m, caps[b])] > 0]
+        while take:
+            width = min(m, max(caps[b] for b in take)) + 1
+            value = rows + sum(prefix[b][min(m, caps[b])] for b in take)
+            ratio = value / (cost[rows * width] + sum(fixed[b] for b in take))
+            keep = [b for b in take if prefix[b][min(m, caps[b])] >= ratio * fixed[b]]
+            if len(keep) == len(take):
+                break
+            take = keep
+        if take and ratio > best_ratio * (1 + 1e-12):
+            best_ratio = ratio
+            best = [min(m, caps[b]) if b in take else 0 for b in range(rows)]
+    return best
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _check_axis(name: str, axis: tuple[int, ...]) -> None:
+    if not axis or any(b <= a for a, b in zip(axis, axis[1:])) or axis[0] < 0:
+        raise ValueError(f"{name} must be non-empty, non-negative and strictly ascending, got {axis}")
+
+
+def _check_grid(name: str, grid, n_rows: int, n_cols: int) -> None:
+    if len(grid) != n_rows or any(len(r) != n_cols for r in grid):
+        raise ValueError(f"{name} must be {n_rows} x {n_cols}")
+    if not all(math.isfinite(x) and x > 0 for r in grid for x in r):
+        raise ValueError(f"{name} must hold positive finite times")
+
+
+def _interp(xs: tuple[int, ...], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), linear past both ends; constant for one point."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1 = xs[i], xs[i + 1]
+    return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+
+
+def _positive(ms: float) -> float:
+    """Extrapolating down can cross zero; a step never costs nothing."""
+    return max(ms, 1e-6)

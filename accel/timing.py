@@ -1,0 +1,198 @@
+"""Timing verify passes: the measurements behind a :class:`~accel.cost_model.CostTable`.
+
+Plain functions: :func:`filled_cache` fills a cache with a forward over random ids,
+:func:`time_pass` times one verify pass over it (median of a few), :func:`linear_kernels`
+switches a model between plain and packed linear layers for a block, and :func:`measure`
+puts them together into a table. :func:`accel.calibrate.cost_table` caches the result.
+
+Measuring swaps the model's linear layers and puts them back; do not run it while the model
+serves requests.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from . import adapter
+from .cache import SharedCache
+from .cost_model import CostTable, packed_is_faster
+from .cpu import PackedLinear, is_prepacked, prepack, prepack_available, unprepack
+
+__all__ = ["DEFAULT_CACHE_LENS", "DEFAULT_KERNEL_TOKENS", "DEFAULT_TOKENS", "filled_cache", "linear_kernels",
+           "measure", "time_pass"]
+
+#: Query tokens per pass of the measured grid.
+DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+#: Cached entries of the measured grid.
+DEFAULT_CACHE_LENS = (256, 2048)
+#: Query tokens of the plain-vs-packed kernel comparison (a decode step and a short chain).
+DEFAULT_KERNEL_TOKENS = (1, 8)
+
+
+@contextmanager
+def linear_kernels(model) -> Iterator[Callable[[bool], None]]:
+    """Inside the block, ``use(packed)`` switches ``model`` between packed
+    (:func:`accel.cpu.prepack`) and plain linear layers by swapping module references (the
+    weights are packed once, on entry); on exit the model is as it was.
+
+    Yields ``use``. A model that cannot be packed stays plain whatever ``use`` is told.
+    """
+    was = is_prepacked(model)
+    other = prepack if not was else unprepack
+    before = _linears(model)
+    other(model)
+    after = _linears(model)
+    names = [n for n in before if before[n] is not after.get(n, before[n])]
+    packed_mods, plain_mods = (before, after) if was else (after, before)
+
+    def use(packed: bool) -> None:
+        chosen = packed_mods if packed else plain_mods
+        for name in names:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, chosen[name])
+
+    try:
+        yield use
+    finally:
+        use(was)
+
+
+def _linears(model) -> dict[str, torch.nn.Module]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, PackedLinear))}
+
+
+def filled_cache(model, length: int, seed: int = 0) -> SharedCache:
+    """A :class:`~accel.cache.SharedCache` holding ``length`` committed entries of one row,
+    from a forward over random ids (their values do not matter for timing)."""
+    geo = adapter.geometry(model)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(geo.device)
+    positions = torch.arange(length, device=geo.device).unsqueeze(0)
+    cache = SharedCache(geo.num_layers)
+    with torch.inference_mode():
+        adapter.backbone_forward(model, ids, positions, cache)
+    cache.commit(advance=length)
+    return cache
+
+
+def time_pass(model, cache: SharedCache, tokens: int, repeats: int, warmup: int = 1) -> list[float]:
+    """Milliseconds of ``repeats`` verify passes of ``tokens`` query tokens each (after
+    ``warmup`` untimed ones) over ``cache``: ids [1, T], position ids [1, T] after the cache,
+    the causal additive mask a chain of drafts gets, the output head on every token. The
+    entries appended are rolled back each time."""
+    geo = adapter.geometry(model)
+    vocab = model.config.get_text_config(decoder=True).vocab_size
+    past = cache.physical_length(0)
+    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(geo.device)
+    positions = torch.arange(cache.logical_length, cache.logical_length + tokens, device=geo.device).unsqueeze(0)
+    mask = None
+    if tokens > 1:  # [1, 1, T, P + T]: the cache visible, causal among the new tokens
+        mask = torch.zeros(1, 1, tokens, past + tokens, dtype=geo.dtype, device=geo.device)
+        future = torch.ones(tokens, tokens, dtype=torch.bool, device=geo.device).triu(1)
+        mask[0, 0, :, past:].masked_fill_(future, torch.finfo(geo.dtype).min)
+    times = []
+    with torch.inference_mode(), adapter.packed_gqa_attention(model):
+        for i in range(warmup + repeats):
+            _sync(geo.device)
+            start = time.perf_counter()
+            hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
+            adapter.output_logits(model, hidden[0])
+            _sync(geo.device)
+            if i >= warmup:
+                times.append((time.perf_counter() - start) * 1e3)
+            cache.rollback()
+    return times
+
+
+def measure(
+    model,
+    tokens: tuple[int, ...] = DEFAULT_TOKENS,
+    cache_lens: tuple[int, ...] = DEFAULT_CACHE_LENS,
+    kernel_tokens: tuple[int, ...] = DEFAULT_KERNEL_TOKENS,
+    repeats: int = 3,
+    budget_s: float = 20.0,
+) -> CostTable:
+    """Measure a :class:`CostTable` for ``model`` (no cache files involved).
+
+    First plain against packed kernels at ``kernel_tokens`` x ``cache_lens`` (packed only
+    where :func:`accel.cpu.prepack` applies: float32 on a CPU), in alternating rounds so that
+    both see the same machine load; packed wins only if faster at every point. Then the grid
+    ``tokens`` x ``cache_lens`` with the winning kernels, made non-decreasing in both (see
+    :func:`_monotone`). Each point is the median of ``repeats`` passes after a warm-up; once
+    ``budget_s`` seconds have gone, the remaining points take one pass each (filling the
+    caches is not bounded). Cache lengths are capped so every pass fits the model's positions.
+    """
+    start = time.perf_counter()
+    load = _load_average()
+    tokens, kernel_tokens = tuple(sorted(set(tokens))), tuple(sorted(set(kernel_tokens)))
+    cache_lens = _fit_positions(model, cache_lens, max(tokens + kernel_tokens))
+    caches = [filled_cache(model, n, seed=i) for i, n in enumerate(cache_lens)]
+
+    def reps() -> int:
+        return max(1, repeats) if time.perf_counter() - start < budget_s else 1
+
+    param = next(model.parameters())
+    names = ["plain"]
+    if param.device.type == "cpu" and param.dtype == torch.float32 and prepack_available():
+        names.append("packed")
+    points = [(c, t) for c in range(len(caches)) for t in kernel_tokens]
+    samples: dict[str, dict] = {name: {p: [] for p in points} for name in names}
+    with linear_kernels(model) as use:
+        # plain and packed passes alternate, so a load that comes and goes hits both alike
+        for round_ in range(1 + max(1, repeats)):
+            if round_ > 1 and time.perf_counter() - start >= budget_s:
+                break
+            for name in names:
+                use(name == "packed")
+                for c, t in points:
+                    samples[name][(c, t)] += time_pass(model, caches[c], t, repeats=1, warmup=1 if round_ == 0 else 0)
+        kernel_ms = {name: tuple(tuple(statistics.median(samples[name][(c, t)]) for t in kernel_tokens)
+                                 for c in range(len(caches))) for name in names}
+        kernels = "packed" if packed_is_faster(kernel_ms) else "plain"
+        use(kernels == "packed")
+        ms = [[statistics.median(time_pass(model, cache, t, reps())) for t in tokens] for cache in caches]
+    return CostTable(tokens=tokens, cache_lens=cache_lens, ms=_monotone(ms), kernels=kernels,
+                     kernel_tokens=kernel_tokens, kernel_ms=kernel_ms, measured=True,
+                     seconds=round(time.perf_counter() - start, 2), load=_max(load, _load_average()))
+
+
+def _monotone(ms: list[list[float]]) -> tuple[tuple[float, ...], ...]:
+    """Each point at least the one before it in tokens and in cache length: a pass with more
+    query tokens or more cached entries does a superset of the work, so a dip is noise (and
+    would read as a reason to draft more)."""
+    out = [list(row) for row in ms]
+    for c, row in enumerate(out):
+        for t in range(len(row)):
+            row[t] = max([row[t]] + ([row[t - 1]] if t else []) + ([out[c - 1][t]] if c else []))
+    return tuple(tuple(row) for row in out)
+
+
+def _fit_positions(model, cache_lens: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    lens = sorted(set(cache_lens))
+    if limit:
+        lens = sorted({max(1, min(n, int(limit) - max_tokens)) for n in lens})
+    return tuple(lens)
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # not on every platform
+        return None
+
+
+def _max(a: float | None, b: float | None) -> float | None:
+    return None if a is None and b is None else max(x for x in (a, b) if x is not None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

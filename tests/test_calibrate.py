@@ -1,0 +1,344 @@
+"""Calibration: the cost model (pure, driven by hand-made tables), the cached measurement,
+and the decisions that follow from it (draft allocation, auto prepacking)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from accel import calibrate, timing
+from accel.cli import main
+from accel.cost_model import CostTable, acceptance_gains, allocate_drafts, static_table
+from accel.cpu import is_prepacked, prepack, prepack_available
+from accel.models import _prepacked, load_model
+from helpers import make_tiny_model
+
+
+def table(tokens, ms, cache_lens=(256,), **kw) -> CostTable:
+    """A fake table; ``ms`` is one row per cache length (or one row for all)."""
+    rows = ms if isinstance(ms[0], (list, tuple)) else [ms] * len(cache_lens)
+    return CostTable(tokens=tuple(tokens), cache_lens=tuple(cache_lens), ms=tuple(tuple(r) for r in rows), **kw)
+
+
+FLAT = table([1, 64], [10.0, 10.0])
+STEEP = table([1, 2, 64], [10.0, 20.0, 640.0])  # every extra token costs a whole step
+KNEE = table([1, 8, 64], [10.0, 11.0, 80.0])  # nearly free up to 8 tokens, then linear
+
+
+@pytest.fixture
+def calib_cache(tmp_path, monkeypatch):
+    """Calibration on, cached in a temporary ACCEL_CACHE."""
+    monkeypatch.setenv("ACCEL_CACHE", str(tmp_path))
+    monkeypatch.delenv("ACCEL_CALIBRATION", raising=False)
+    return tmp_path
+
+
+@pytest.fixture
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a loaded 2-core machine makes 2 threads spin; timings are not checked
+    yield
+    torch.set_num_threads(threads)
+
+
+def fake_measure(calls: list | None = None, prefer_prepack: bool = False):
+    def measure(model, **kwargs):
+        if calls is not None:
+            calls.append(kwargs)
+        kernel_ms = {"plain": ((2.0,),), "packed": ((1.0 if prefer_prepack else 3.0,),)}
+        return table([1, 8], [1.0, 2.0], kernel_tokens=(1,), kernel_ms=kernel_ms)
+
+    return measure
+
+
+def refuse(*args, **kwargs):
+    raise AssertionError("must not measure")
+
+
+# ---------------------------------------------------------------------------- allocation
+
+
+def test_acceptance_gains_is_a_chain():
+    assert acceptance_gains(0.5, 3) == [0.5, 0.25, 0.125]
+    assert acceptance_gains(0.9, 0) == []
+    with pytest.raises(ValueError):
+        acceptance_gains(1.5, 2)
+
+
+def test_flat_cost_gives_long_drafts_and_steep_cost_none():
+    gains = [acceptance_gains(0.7, 10)]
+    assert allocate_drafts(FLAT, 256, gains, max_per_row=10) == [10]
+    assert allocate_drafts(STEEP, 256, gains, max_per_row=10) == [0]
+
+
+def test_never_more_than_max_per_row_or_than_offered():
+    gains = [acceptance_gains(0.9, 10), acceptance_gains(0.9, 2), []]
+    k = allocate_drafts(FLAT, 256, gains, max_per_row=4)
+    assert k == [4, 2, 0]
+    assert allocate_drafts(FLAT, 256, gains, max_per_row=0) == [0, 0, 0]
+    assert allocate_drafts(FLAT, 256, [], max_per_row=4) == []
+
+
+def test_a_big_batch_gets_fewer_drafts_per_row_than_batch_one():
+    single = allocate_drafts(KNEE, 256, [acceptance_gains(0.8, 16)], max_per_row=16)
+    batch = allocate_drafts(KNEE, 256, [acceptance_gains(0.8, 16)] * 16, max_per_row=16)
+    assert single[0] >= 5
+    assert max(batch) < single[0] and sum(batch) / 16 < single[0]
+
+
+def test_rows_with_low_acceptance_get_none_while_good_rows_draft():
+    gains = [acceptance_gains(0.9, 8), acceptance_gains(0.02, 8), acceptance_gains(0.85, 8), [0.0] * 8]
+    # every drafting row pays 1 ms for its drafter: the 2% row does not earn it back
+    k = allocate_drafts(KNEE, 256, gains, max_per_row=8, drafter_ms=[1.0] * 4)
+    assert k[1] == 0 and k[3] == 0
+    assert k[0] > 0 and k[2] > 0 and k[0] == k[2]  # one padded depth for the drafting rows
+    # a drafter that costs nothing drafts below the deepest row for free, except with no gain at all
+    free = allocate_drafts(KNEE, 256, gains, max_per_row=8)
+    assert free[3] == 0 and free[0] == free[1] == free[2] > 0
+
+
+def test_padding_makes_one_deep_row_cost_the_whole_batch():
+    # verify cost is linear in padded tokens: one good row among seven useless ones pays for
+    # eight rows per extra depth, so it drafts less than it would alone
+    steep = table([1, 64], [10.0, 73.0])
+    alone = allocate_drafts(steep, 256, [acceptance_gains(0.8, 8)], max_per_row=8)
+    among = allocate_drafts(steep, 256, [acceptance_gains(0.8, 8)] + [[0.0] * 8] * 7, max_per_row=8)
+    assert alone[0] > among[0] and among[1:] == [0] * 7
+
+
+def test_allocation_looks_past_a_bump_in_the_cost_curve():
+    # the first draft token doubles the step, the next six are free: a rule that stops at
+    # the first token not raising the ratio would draft nothing
+    bump = table([1, 2, 8, 64], [10.0, 20.0, 20.5, 200.0])
+    assert allocate_drafts(bump, 256, [acceptance_gains(0.9, 7)], max_per_row=7) == [7]
+
+
+def test_drafter_cost_is_paid_once_per_drafting_row():
+    gains = [acceptance_gains(0.9, 4)] * 2
+    assert allocate_drafts(FLAT, 256, gains, max_per_row=4, drafter_ms=[0.0, 0.0]) == [4, 4]
+    # row 1's drafter costs more than anything it could bring; row 0's is cheap
+    assert allocate_drafts(FLAT, 256, gains, max_per_row=4, drafter_ms=[0.5, 1000.0]) == [4, 0]
+    # one token alone does not pay for a 15 ms drafter, four tokens do
+    alone = allocate_drafts(FLAT, 256, [acceptance_gains(0.9, 1)], max_per_row=1, drafter_ms=[15.0])
+    four = allocate_drafts(FLAT, 256, [acceptance_gains(0.9, 4)], max_per_row=4, drafter_ms=[15.0])
+    assert alone == [0] and four == [4]
+    with pytest.raises(ValueError):
+        allocate_drafts(FLAT, 256, gains, max_per_row=4, drafter_ms=[1.0])
+
+
+def test_longer_cache_affords_fewer_drafts_when_it_is_steeper():
+    t = table([1, 8, 64], [[10.0, 11.0, 30.0], [20.0, 40.0, 200.0]], cache_lens=(256, 4096))
+    gains = [acceptance_gains(0.8, 16)]
+    short, long = allocate_drafts(t, 256, gains, 16), allocate_drafts(t, 4096, gains, 16)
+    assert short[0] > long[0]
+
+
+# ---------------------------------------------------------------------------- the table
+
+
+def test_step_ms_interpolates_and_extrapolates_linearly():
+    t = table([1, 3, 5], [[10.0, 20.0, 40.0], [30.0, 40.0, 60.0]], cache_lens=(100, 300))
+    assert t.step_ms(3, 100) == pytest.approx(20.0)
+    assert t.step_ms(2, 100) == pytest.approx(15.0)
+    assert t.step_ms(3, 200) == pytest.approx(30.0)
+    assert t.step_ms(2, 200) == pytest.approx(25.0)  # bilinear
+    assert t.step_ms(7, 100) == pytest.approx(60.0)  # past the last token: last slope
+    assert t.step_ms(1, 500) == pytest.approx(50.0)  # past the longest cache
+    assert t.step_ms(0, 100) == pytest.approx(5.0)
+    assert t.step_ms(1, -10_000) > 0  # extrapolated below zero: still a positive cost
+    assert t.curve(200, 6) == pytest.approx([t.step_ms(n, 200) for n in range(7)])
+    single = table([4], [7.0])
+    assert single.step_ms(1, 9999) == single.step_ms(64, 1) == 7.0
+
+
+@pytest.mark.parametrize("bad", [
+    dict(tokens=(1, 1), ms=((1.0, 1.0),)),
+    dict(tokens=(2, 1), ms=((1.0, 1.0),)),
+    dict(tokens=(1, 2), ms=((1.0,),)),
+    dict(tokens=(1, 2), ms=((1.0, 0.0),)),
+    dict(tokens=(1, 2), ms=((1.0, float("nan")),)),
+    dict(tokens=(1, 2), ms=((1.0, 2.0),), kernels="fast"),
+])
+def test_malformed_tables_are_refused(bad):
+    with pytest.raises(ValueError):
+        CostTable(cache_lens=(256,), **bad)
+
+
+def test_prefer_prepack_only_when_packed_wins_everywhere():
+    def with_kernels(plain, packed):
+        kernel_ms = {"plain": (tuple(plain),)} | ({"packed": (tuple(packed),)} if packed else {})
+        return table([1, 8], [1.0, 2.0], kernel_tokens=(1, 8), kernel_ms=kernel_ms)
+
+    assert with_kernels([10.0, 20.0], [8.0, 15.0]).prefer_prepack
+    assert not with_kernels([10.0, 20.0], [8.0, 25.0]).prefer_prepack  # mixed: the safe choice
+    assert not with_kernels([10.0, 20.0], [15.0, 30.0]).prefer_prepack
+    assert not with_kernels([10.0, 20.0], None).prefer_prepack
+    assert not static_table().prefer_prepack and not static_table().measured
+
+
+# ---------------------------------------------------------------------------- keys and files
+
+
+def test_key_follows_threads_dtype_and_model_sizes(one_thread):
+    model = make_tiny_model()
+    key = calibrate.calibration_key(model)
+    assert key == calibrate.calibration_key(make_tiny_model(seed=5))  # weights do not matter
+    assert {"model", "device", "dtype", "threads", "machine"} <= key.keys()
+    assert key["machine"]["cpu"] and key["machine"]["torch"] == torch.__version__
+    path = calibrate.calibration_path(key)
+    torch.set_num_threads(2)
+    assert calibrate.calibration_path(calibrate.calibration_key(model)) != path
+    torch.set_num_threads(1)
+    assert calibrate.calibration_path(calibrate.calibration_key(model.to(torch.bfloat16))) != path
+    assert calibrate.calibration_key(make_tiny_model(hidden_size=32)) != key
+
+
+def test_round_trip_to_disk(calib_cache):
+    t = table([1, 8], [[1.0, 2.5], [3.0, 4.0]], cache_lens=(16, 64), kernels="packed", kernel_tokens=(1,),
+              kernel_ms={"plain": ((2.0,), (3.0,)), "packed": ((1.0,), (2.0,))}, key={"a": [1, "b"]}, seconds=1.5, load=0.5)
+    path = calib_cache / "calibration" / "x.json"
+    calibrate.save_table(path, t)
+    assert calibrate.load_table(path, {"a": [1, "b"]}) == t
+    assert calibrate.load_table(path, {"a": [2]}) is None  # measured for something else
+    assert [p.name for p in path.parent.iterdir()] == ["x.json"]  # no temporary left behind
+
+
+def test_cost_table_measures_once_then_reads_the_cache(calib_cache, monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(timing, "measure", fake_measure(calls))
+    model = make_tiny_model()
+    first = calibrate.cost_table(model)
+    assert len(calls) == 1 and first.measured and first.key == json.loads(json.dumps(calibrate.calibration_key(model)))
+    path = calibrate.calibration_path(calibrate.calibration_key(model))
+    assert path.is_file() and path.parent == calib_cache / "calibration"
+    monkeypatch.setattr(timing, "measure", refuse)
+    assert calibrate.cost_table(model) == first
+    monkeypatch.setattr(timing, "measure", fake_measure(calls))
+    calibrate.cost_table(model, force=True)
+    assert len(calls) == 2
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"tokens": [1]}', "[]", ""])
+def test_a_corrupt_file_is_ignored_and_measured_again(calib_cache, monkeypatch, content):
+    model = make_tiny_model()
+    path = calibrate.calibration_path(calibrate.calibration_key(model))
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    calls: list = []
+    monkeypatch.setattr(timing, "measure", fake_measure(calls))
+    assert calibrate.cost_table(model).measured and len(calls) == 1
+    assert calibrate.load_table(path, calibrate.calibration_key(model)) is not None  # rewritten
+
+
+def test_a_foreign_file_is_ignored(calib_cache, monkeypatch):
+    model = make_tiny_model()
+    key = calibrate.calibration_key(model)
+    path = calibrate.calibration_path(key)
+    calibrate.save_table(path, table([1], [1.0], key=dict(key, threads=key["threads"] + 7)))
+    calls: list = []
+    monkeypatch.setattr(timing, "measure", fake_measure(calls))
+    calibrate.cost_table(model)
+    assert len(calls) == 1
+
+
+def test_calibration_off_gives_static_defaults_without_measuring(calib_cache, monkeypatch):
+    monkeypatch.setenv("ACCEL_CALIBRATION", "off")
+    monkeypatch.setattr(timing, "measure", refuse)
+    t = calibrate.cost_table(make_tiny_model())
+    assert t == static_table() and not t.measured and not t.prefer_prepack
+    assert not (calib_cache / "calibration").exists()
+    monkeypatch.setenv("ACCEL_CALIBRATION", "sometimes")
+    with pytest.raises(ValueError):
+        calibrate.cost_table(make_tiny_model())
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_real_measurement_on_a_tiny_model(one_thread, packed):
+    model = make_tiny_model()
+    if packed:
+        if not prepack_available():
+            pytest.skip("no oneDNN packing")
+        prepack(model)
+    t = timing.measure(model, tokens=(1, 4), cache_lens=(16, 600), kernel_tokens=(1, 2), repeats=2)
+    assert t.measured and t.tokens == (1, 4) and t.seconds > 0
+    assert t.cache_lens == (16, 512 - 4)  # capped to the model's 512 positions
+    assert all(x > 0 for row in t.ms for x in row)
+    assert set(t.kernel_ms) == ({"plain", "packed"} if prepack_available() else {"plain"})
+    assert t.kernels == ("packed" if t.prefer_prepack else "plain")
+    assert t.step_ms(3, 100) > 0
+    assert is_prepacked(model) == packed  # the model is left with the kernels it had
+
+
+def test_cost_table_measures_for_real_into_the_cache(calib_cache, one_thread):
+    model = make_tiny_model()
+    t = calibrate.cost_table(model, tokens=(1, 2), cache_lens=(8,), repeats=1)
+    assert t.measured and calibrate.cost_table(model) == t
+
+
+# ---------------------------------------------------------------------------- decisions
+
+
+@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
+@pytest.mark.parametrize("prefer", [False, True])
+def test_auto_prepack_follows_the_table(calib_cache, monkeypatch, tmp_path, prefer):
+    monkeypatch.setattr(timing, "measure", fake_measure(prefer_prepack=prefer))
+    assert is_prepacked(_prepacked(make_tiny_model(), "auto")) == prefer
+    folder = tmp_path / "tiny"
+    make_tiny_model().save_pretrained(folder)
+    model, _ = load_model(folder)  # prepack="auto" by default, reading the cached table now
+    assert is_prepacked(model) == prefer
+    monkeypatch.setattr(timing, "measure", refuse)
+    assert is_prepacked(load_model(folder, prepack=True)[0])
+    assert not is_prepacked(load_model(folder, prepack=False)[0])
+
+
+def test_auto_prepack_is_off_without_calibration_or_off_a_float32_cpu_model(calib_cache, monkeypatch):
+    monkeypatch.setattr(timing, "measure", refuse)
+    assert not is_prepacked(_prepacked(make_tiny_model().to(torch.bfloat16), "auto"))  # nothing to decide
+    monkeypatch.setenv("ACCEL_CALIBRATION", "off")
+    assert not is_prepacked(_prepacked(make_tiny_model(), "auto"))
+    with pytest.raises(ValueError):
+        _prepacked(make_tiny_model(), "yes")
+
+
+def test_cli_calibrate_prints_the_table_and_where_it_is_cached(calib_cache, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(timing, "measure", fake_measure())
+    folder = tmp_path / "tiny"
+    make_tiny_model().save_pretrained(folder)
+    threads = torch.get_num_threads()
+    try:
+        assert main(["calibrate", "--model", str(folder), "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    out = capsys.readouterr().out
+    assert "verify pass" in out and "prefer_prepack: False" in out and str(calib_cache / "calibration") in out
+    assert main(["calibrate", "--model", str(folder), "--threads", "0"]) == 2
+
+
+def test_measured_grid_is_made_non_decreasing():
+    from accel.timing import _monotone
+
+    assert _monotone([[5.0, 4.0, 6.0], [3.0, 7.0, 6.5]]) == ((5.0, 5.0, 6.0), (5.0, 7.0, 7.0))
+
+
+@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
+@pytest.mark.parametrize("start_packed", [False, True])
+def test_linear_kernels_switches_and_restores(start_packed):
+    model = make_tiny_model(seed=3)
+    if start_packed:
+        prepack(model)
+    before = dict(model.named_modules())
+    ids = torch.tensor([[4, 8, 15, 16, 23]])
+    with torch.inference_mode(), timing.linear_kernels(model) as use:
+        use(True)
+        assert is_prepacked(model)
+        packed = model(ids).logits
+        use(False)
+        assert not is_prepacked(model)
+        torch.testing.assert_close(model(ids).logits, packed, rtol=1e-4, atol=1e-5)
+    assert dict(model.named_modules()) == before  # the very same modules are back

@@ -1,0 +1,365 @@
+"""DraftModel: a small model drafts, the target verifies. Greedy output is unchanged whatever
+the draft model says; the draft cache follows partial acceptance; vocabularies must match;
+sampling with a draft model reproduces the target's distribution (and the same statistical
+check catches a wrong acceptance rule). Marked ``models``: the real Qwen2.5-Coder pair."""
+
+from __future__ import annotations
+
+from copy import deepcopy
+from typing import Any, ClassVar
+
+import pytest
+import torch
+
+import accel
+from accel import adapter
+from accel.acceptance import Acceptance
+from accel.strategy import AcceptanceRule, StrategyError, build_strategy
+from helpers import SMALL_DRAFT, TINY_VOCAB, make_tiny_model
+from snapkv import AdaSnapKV, SnapKV
+from speculative import DraftModel
+from speculative.draft_model import check_vocabularies, fit_vocab
+from test_acceptance import chi2_fails
+
+
+
+def _prompt(seed: int, n: int) -> torch.Tensor:
+    base = torch.randint(2, TINY_VOCAB, (max(4, n // 3),), generator=torch.Generator().manual_seed(seed))
+    return base.repeat(4)[:n].unsqueeze(0)
+
+
+def _noisy_copy(model, std: float, seed: int = 0):
+    """The same architecture and weights plus Gaussian noise: a draft that agrees often, not always."""
+    copy = deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * std)
+    return copy
+
+
+def _greedy(model, ids, strategies=(), new=40, **kw):
+    return accel.generate(model, ids, strategies=list(strategies), max_new_tokens=new, eos_token_id=[], **kw)
+
+
+# --------------------------------------------------------------------------- greedy exactness
+
+
+TARGET = dict(seed=11)
+
+
+@pytest.mark.parametrize("draft_kind, where", [
+    ("small_random", "none"), ("garbage", "none"), ("noisy_copy", "none"), ("same_weights", "none"),
+    ("noisy_copy", "draft_snapkv"), ("noisy_copy", "draft_ada"), ("noisy_copy", "target_snapkv"),
+    ("garbage", "target_snapkv"),
+])
+def test_greedy_equals_plain_greedy(draft_kind, where):
+    """where: no compression, SnapKV / AdaSnapKV (padded per-head budgets) on the draft
+    model's cache, or SnapKV on the target's."""
+    target = make_tiny_model(**TARGET)
+    draft = {
+        "small_random": lambda: make_tiny_model(seed=5, **SMALL_DRAFT),
+        "garbage": lambda: make_tiny_model(seed=6, num_hidden_layers=3, initializer_range=1.0),
+        "noisy_copy": lambda: _noisy_copy(target, 0.005),
+        "same_weights": lambda: target,
+    }[draft_kind]()
+    ids = _prompt(3, 40)
+    compress = {"draft_snapkv": SnapKV(budget=16, window=4, kernel=3),
+                "draft_ada": AdaSnapKV(budget=16, window=4, kernel=3)}.get(where)
+    base = [SnapKV(budget=16, window=4, kernel=3)] if where == "target_snapkv" else []
+    ref = _greedy(target, ids, base)
+    out = _greedy(target, ids, base + [DraftModel(model=draft, num_tokens=4, compress=compress)])
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.drafted_tokens > 0
+    if draft_kind == "same_weights":  # the draft computes what the verifier does: all accepted
+        assert out.stats.mean_accepted > 4.5
+
+
+def test_batch_rows_keep_their_own_draft_state():
+    target = make_tiny_model(**TARGET)
+    ids = torch.cat([_prompt(3, 30), _prompt(4, 30)])
+    strategy = DraftModel(model=_noisy_copy(target, 0.005), num_tokens=3)
+    out = _greedy(target, ids, [strategy], new=24)
+    assert torch.equal(out.sequences, _greedy(target, ids, new=24).sequences)
+
+
+def test_engine_budget_and_dynamic_lookahead():
+    target = make_tiny_model(**TARGET)
+    ids = _prompt(3, 40)
+    ref = _greedy(target, ids)
+    draft = _noisy_copy(target, 0.005)
+    capped = _greedy(target, ids, [DraftModel(model=draft, num_tokens=6)], max_draft_tokens=2)
+    assert torch.equal(capped.sequences, ref.sequences)
+    assert capped.stats.drafted_tokens <= 2 * capped.stats.verify_steps
+    full = _greedy(target, ids, [DraftModel(model=draft, num_tokens=6)])
+    cautious = _greedy(target, ids, [DraftModel(model=draft, num_tokens=6, stop_below=0.5)])
+    assert torch.equal(cautious.sequences, ref.sequences)
+    assert cautious.stats.drafted_tokens < full.stats.drafted_tokens
+
+
+# --------------------------------------------------------------------------- the draft cache
+
+
+class Checked(DraftModel):
+    """DraftModel that checks, at every step, that its cache holds exactly the sequence and
+    that its drafts are what the draft model computes without a cache."""
+
+    LOG: ClassVar[list[tuple[int, int]]] = []  # (proposed, accepted) per step
+
+    def propose(self, state, ctx):
+        prop = super().propose(state, ctx)
+        seq = ctx.tokens
+        # after syncing: the committed entries are the sequence up to (not including) the
+        # tokens fed this step; the uncommitted ones are the fed token(s) and drafts but the last
+        committed = state.cache.logical_length
+        assert torch.equal(state.tokens, seq[:committed])
+        fed = seq[committed:].tolist()
+        assert state.pending[: len(fed)] == fed
+        assert len(state.pending) == len(fed) + len(prop) - 1
+        assert state.cache.physical_length(0) == state.cache.committed_length(0) + len(state.pending)
+        # the chain is the draft model's own greedy continuation, computed from scratch
+        full = torch.cat([seq, prop.tokens[:-1]]).unsqueeze(0)
+        logits = state.model(full).logits[0, seq.numel() - 1 :]
+        assert prop.tokens.tolist() == logits.argmax(-1).tolist()
+        return prop
+
+    def feedback(self, state, proposed, accepted):
+        Checked.LOG.append((proposed, accepted))
+
+
+def test_draft_cache_follows_partial_acceptance():
+    target = make_tiny_model(**TARGET)
+    ids = _prompt(3, 40)
+    Checked.LOG.clear()
+    out = _greedy(target, ids, [Checked(model=_noisy_copy(target, 0.005), num_tokens=4)], new=60)
+    assert torch.equal(out.sequences, _greedy(target, ids, new=60).sequences)
+    partial = [a for p, a in Checked.LOG if 0 < a < p]
+    assert partial and any(a == 0 for _, a in Checked.LOG) and any(a == p for p, a in Checked.LOG)
+
+
+def test_draft_cache_restarts_when_the_sequence_is_rewritten():
+    from accel.strategy import DraftContext
+
+    target = make_tiny_model(**TARGET)
+    strategy = DraftModel(model=target, num_tokens=3)
+    with torch.inference_mode():
+        state = strategy.start(target, _prompt(3, 20)[0])
+        other = _prompt(4, 25)[0]
+        prop = strategy.propose(state, DraftContext(tokens=other, hidden=None, max_tokens=3))
+    assert torch.equal(state.tokens, other[:-1]) and state.cache.logical_length == other.numel() - 1
+    assert len(prop) == 3
+
+
+# --------------------------------------------------------------------------- vocabularies
+
+
+def test_mismatched_vocabulary_is_refused():
+    target = make_tiny_model(**TARGET)
+    other = make_tiny_model(seed=2, vocab_size=TINY_VOCAB + 4)
+    strategy = DraftModel(model=other)
+    with pytest.raises(ValueError, match="different vocabularies"):
+        strategy.check(target)
+    with pytest.raises(ValueError, match="different vocabularies"):
+        _greedy(target, _prompt(3, 12), [strategy], new=4)
+
+
+def _save_tokenizer(folder, words):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token=words[0]).save_pretrained(folder)
+    return str(folder)
+
+
+def test_tokenizers_are_compared_and_padded_widths_allowed(tmp_path):
+    words = [f"w{i}" for i in range(TINY_VOCAB)]
+    target = make_tiny_model(**TARGET)
+    target.name_or_path = _save_tokenizer(tmp_path / "t", words)
+    wider = make_tiny_model(seed=4, vocab_size=TINY_VOCAB + 7, **SMALL_DRAFT)  # padded output layer
+    wider.name_or_path = _save_tokenizer(tmp_path / "d", words)
+    check_vocabularies(target, wider)
+    ids = _prompt(3, 30)
+    out = _greedy(target, ids, [DraftModel(model=wider, num_tokens=3)], new=20)
+    assert torch.equal(out.sequences, _greedy(target, ids, new=20).sequences)
+
+    renamed = make_tiny_model(seed=4)
+    renamed.name_or_path = _save_tokenizer(tmp_path / "r", words[:50] + ["x"] + words[51:])
+    with pytest.raises(ValueError, match="token 50 is 'w50' for the target but 'x'"):
+        DraftModel(model=renamed).check(target)
+    shorter = make_tiny_model(seed=4)
+    shorter.name_or_path = _save_tokenizer(tmp_path / "s", words[:90])
+    with pytest.raises(ValueError, match="tokenizers of 90 and 97 tokens"):
+        DraftModel(model=shorter).check(target)
+
+
+def test_fit_vocab_cuts_and_pads():
+    x = torch.arange(6.0).reshape(2, 3)
+    assert torch.equal(fit_vocab(x, 2), x[:, :2])
+    padded = fit_vocab(x, 5)
+    assert padded.shape == (2, 5) and torch.equal(padded[:, :3], x) and torch.isneginf(padded[:, 3:]).all()
+    assert fit_vocab(x, 3) is x
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+def test_built_from_yaml_mappings_and_cli_specs():
+    s = build_strategy({"name": "draft_model", "model": "qwen2.5-coder-0.5b-instruct", "num_tokens": 5})
+    assert isinstance(s, DraftModel) and s.model == "qwen2.5-coder-0.5b-instruct" and s.num_tokens == 5
+    assert build_strategy(s.spec()) == s
+    c = build_strategy("draft_model:model=qwen2.5-coder-0.5b-instruct,compress=snapkv:budget=64")
+    assert isinstance(c.compress, SnapKV) and c.compress.budget == 64
+    assert c.spec()["compress"] == SnapKV(budget=64).spec() and build_strategy(c.spec()) == c
+    m = build_strategy({"name": "draft_model", "model": "default", "compress": {"name": "snapkv", "budget": 64}})
+    assert m.compress == SnapKV(budget=64)
+    loaded = DraftModel(model=make_tiny_model())
+    assert loaded.spec()["model"] == "<LlamaForCausalLM>" and "LlamaForCausalLM>" in repr(loaded)
+    for bad, field in [({"num_tokens": 0}, "num_tokens"), ({"stop_below": 1.5}, "stop_below"),
+                       ({"compress": "prompt_lookup"}, "compress"), ({"model": "no-such-model"}, "model"),
+                       ({"model": 3}, "model")]:
+        with pytest.raises(StrategyError, match=f"draft_model.{field}"):
+            build_strategy({"name": "draft_model", "model": "default", **bad})
+
+
+# --------------------------------------------------------------------------- lossless sampling
+
+V = 16  # a small vocabulary, so the emitted tokens' frequencies can be compared bin by bin
+TINY = dict(SMALL_DRAFT, vocab_size=V)
+PROMPT = torch.tensor([[2, 5, 7, 3]])
+
+
+def _peaked(seed: int):
+    model = make_tiny_model(seed=seed, **TINY)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12)  # far from uniform, so a wrong rule shows
+    return model
+
+
+def _marginals(model, prompt: torch.Tensor) -> list[torch.Tensor]:
+    """The target's own distribution of the 1st, 2nd and 3rd new token (marginalised over
+    the tokens before), from full forwards without any cache."""
+    with torch.no_grad():
+        p1 = torch.softmax(model(prompt).logits[0, -1].double(), -1)  # [V]
+        one = torch.cat([prompt.expand(V, -1), torch.arange(V).unsqueeze(1)], 1)
+        p2_given = torch.softmax(model(one).logits[:, -1].double(), -1)  # [V(t1), V]
+        two = torch.cat([one.repeat_interleave(V, 0), torch.arange(V).repeat(V).unsqueeze(1)], 1)
+        p3_given = torch.softmax(model(two).logits[:, -1].double(), -1).reshape(V, V, V)
+    p12 = p1[:, None] * p2_given  # [V, V]
+    return [p1, p12.sum(0), (p12[..., None] * p3_given).sum((0, 1))]
+
+
+class AcceptEverything(AcceptanceRule):
+    """WRONG on purpose: accept every draft, then sample the bonus token from p."""
+
+    name: ClassVar[str] = "accept_everything_test"
+
+    def accept(self, tree, probs, generator):
+        path = [0]
+        while tree.children[path[-1]]:
+            path.append(tree.children[path[-1]][0])
+        return Acceptance(path=path, next_token=int(torch.multinomial(probs[path[-1]], 1, generator=generator)))
+
+
+@pytest.fixture
+def sampled_drafts(monkeypatch):
+    """Make sure the drafter sees the request's warp and a generator, and count the drafts
+    that carried q. (The engine at the time of writing builds ``DraftContext`` without them;
+    then this fills them in: the warp ``accel.generate`` made, a generator of its own.)"""
+    import accel.engine as engine
+
+    seen: dict[str, Any] = {"sampled": 0, "greedy": 0, "generator": torch.Generator().manual_seed(0)}
+    make_warpers = adapter.make_warpers
+
+    def capture(*args, **kwargs):
+        seen["warp"] = make_warpers(*args, **kwargs)
+        return seen["warp"]
+
+    context = engine.DraftContext
+
+    def context_with_warp(*args, **kwargs):
+        ctx = context(*args, **kwargs)
+        if ctx.warp is None and seen.get("warp") is not None:
+            ctx.warp, ctx.generator = seen["warp"], seen["generator"]
+        return ctx
+
+    propose = DraftModel.propose
+
+    def counting(self, state, ctx):
+        prop = propose(self, state, ctx)
+        seen["sampled" if prop is not None and prop.probs is not None else "greedy"] += 1
+        return prop
+
+    monkeypatch.setattr(adapter, "make_warpers", capture)
+    monkeypatch.setattr(engine, "DraftContext", context_with_warp)
+    monkeypatch.setattr(DraftModel, "propose", counting)
+    return seen
+
+
+def _emitted(target, strategies, runs: int, seed: int) -> torch.Tensor:
+    counts = torch.zeros(3, V)
+    for i in range(runs):
+        out = accel.generate(target, PROMPT, strategies=strategies, max_new_tokens=3, temperature=1.0,
+                             seed=seed + i, eos_token_id=[])
+        for j, t in enumerate(out.sequences[0, PROMPT.shape[1]:].tolist()):
+            counts[j, t] += 1
+    return counts
+
+
+def test_sampling_with_a_draft_model_is_lossless(sampled_drafts):
+    target, draft = _peaked(3), _peaked(4)
+    marginals = _marginals(target, PROMPT)
+    strategy = DraftModel(model=draft, num_tokens=2)
+    counts = _emitted(target, [strategy], runs=800, seed=0)
+    assert sampled_drafts["sampled"] > 0 and sampled_drafts["greedy"] == 0
+    for j in range(3):
+        assert not chi2_fails(counts[j], marginals[j].float()), f"new token {j + 1}"
+
+    # the same check catches a rule that accepts every draft (emitted tokens then follow q)
+    wrong = _emitted(target, [strategy, AcceptEverything()], runs=200, seed=10_000)
+    assert chi2_fails(wrong[1], marginals[1].float()) and chi2_fails(wrong[2], marginals[2].float())
+
+
+# --------------------------------------------------------------------------- real models
+
+CODE_PROMPTS = [
+    "Write a Python function `is_prime(n)` that returns True when n is a prime number.",
+    "Complete this function:\ndef fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+]
+
+
+def _packaged(name: str):
+    from accel.models import ModelNotAvailableError, load_shared
+
+    try:
+        return load_shared(name, torch.float32, "cpu")  # the object DraftModel(model=name) uses
+    except ModelNotAvailableError as err:
+        pytest.skip(str(err))
+
+
+@pytest.mark.models
+def test_qwen_coder_0_5b_drafts_itself_and_refuses_another_vocabulary(default_model):
+    draft, tok = _packaged("qwen2.5-coder-0.5b-instruct")
+    ids = accel.models.chat_ids(tok, CODE_PROMPTS[0])
+    ref = accel.generate(draft, ids, max_new_tokens=32)
+    s = DraftModel(model="qwen2.5-coder-0.5b-instruct", num_tokens=5, compress=SnapKV(budget=32, window=8))
+    out = accel.generate(draft, ids, strategies=[s], max_new_tokens=32)
+    assert torch.equal(out.sequences, ref.sequences) and out.stats.mean_accepted > 3
+    smol, _ = default_model
+    with pytest.raises(ValueError, match="tokenizer"):
+        s.check(smol)
+
+
+@pytest.mark.models
+@pytest.mark.parametrize("i", range(len(CODE_PROMPTS)))
+def test_qwen_coder_pair_greedy_is_exact(i):
+    target, tok = _packaged("qwen2.5-coder-1.5b-instruct")
+    _packaged("qwen2.5-coder-0.5b-instruct")
+    ids = accel.models.chat_ids(tok, CODE_PROMPTS[i])
+    ref = accel.generate(target, ids, max_new_tokens=48)
+    out = accel.generate(target, ids, strategies=["draft_model:model=qwen2.5-coder-0.5b-instruct"], max_new_tokens=48)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.mean_accepted > 1.5
