@@ -560,7 +560,7 @@ class _Server:
             result = await anyio.to_thread.run_sync(lambda: handle.result(timeout=30))
             job.done = True
             if finish is None or finish == "error":
-                raise RuntimeError("the engine failed on this request")
+                raise RuntimeError(getattr(result, "error", None) or "the engine failed on this request")
             self.count("accel_http_finished_total", finish_reason=finish)
             self.count("accel_http_prompt_tokens_total", len(job.prompt))
             self.count("accel_http_completion_tokens_total", tokens)

@@ -409,6 +409,41 @@ def test_metrics_are_prometheus_text(http):
     assert 'accel_http_requests_total{code="200",path="/v1/completions"}' in text
 
 
+class _FailingEngine:
+    """An engine whose every request fails after one token, as a forward that raises would."""
+
+    class Handle:
+        def stream(self):
+            yield accel.Delta([7], "hello")
+            yield accel.Delta([], "", True, "error")
+
+        def result(self, timeout=None):
+            return accel.RequestResult([7], "hello", "error", 1, accel.Stats(), error="RuntimeError: boom")
+
+        def cancel(self):
+            pass
+
+    def submit(self, prompt, **kwargs):
+        return self.Handle()
+
+    def metrics(self):
+        return {}
+
+
+def test_an_engine_failure_is_a_server_error_not_a_hang():
+    from fastapi.testclient import TestClient
+
+    app = create_app(_FailingEngine(), make_tiny_tokenizer(), model_id="x", context_length=64)
+    with TestClient(app) as http:
+        r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        assert "boom" in r.json()["error"]["message"]
+        with http.stream("POST", "/v1/completions", json={"prompt": "hello", "max_tokens": 4, "stream": True}) as r:
+            events, done = sse_events(r.iter_lines())
+        assert done and events[0]["choices"][0]["text"] == "hello" and "boom" in events[-1]["error"]["message"]
+        assert http.get("/health").status_code == 200
+
+
 # ------------------------------------------------------------------------------ pieces
 
 
