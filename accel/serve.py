@@ -505,7 +505,12 @@ class _Server:
         except StrategyError as err:
             raise ApiError(400, _strategy_message(str(err)), "accel", "invalid_strategy") from None
         except ValueError as err:
-            raise ApiError(400, str(err), _engine_param(str(err)), "invalid_value") from None
+            # The sampling fields and the prompt were checked already: what the engine still
+            # refuses is most likely a strategy that does not fit the model (e.g. Medusa heads).
+            param = _engine_param(str(err)) or ("accel" if job.strategies is not None else None)
+            if param == "accel":
+                raise ApiError(400, f"accel: {err}", param, "invalid_strategy") from None
+            raise ApiError(400, str(err), param, "invalid_value") from None
         except RuntimeError as err:  # a closed engine
             raise ApiError(503, f"the engine is not running: {err}", None, "engine_unavailable", "server_error") from None
 

@@ -263,6 +263,7 @@ LONG = list(range(6, 96)) * 46  # 4140 token ids: longer than the context
         ("/v1/chat/completions", {**CHAT, "accel": [{"name": "snapkv", "budget": -3}]}, 400, "accel",
          "invalid_strategy"),
         ("/v1/chat/completions", {**CHAT, "accel": ["snapkv:bugdet=64"]}, 400, "accel", "invalid_strategy"),
+        ("/v1/chat/completions", {**CHAT, "accel": ["medusa"]}, 400, "accel", "invalid_strategy"),  # heads of another model
         ("/v1/chat/completions", {**CHAT, "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
         ("/v1/chat/completions", {**CHAT, "max_tokens": -5}, 400, "max_tokens", "invalid_value"),
         ("/v1/chat/completions", {**CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens",
