@@ -660,8 +660,10 @@ def create_app(
     app.add_middleware(_CountRequests, server=srv)
 
     @app.get("/health")
-    async def health() -> dict[str, Any]:
-        return {"status": "ok", "model": srv.model_id}
+    async def health() -> JSONResponse:
+        alive = getattr(srv.engine, "alive", True)
+        return JSONResponse({"status": "ok" if alive else "unavailable", "model": srv.model_id},
+                            status_code=200 if alive else 503)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

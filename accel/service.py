@@ -183,6 +183,11 @@ class Engine:
         self._wake.set()
         return handle
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread is running (False once closed)."""
+        return self._thread.is_alive() and not self._closed.is_set()
+
     def metrics(self) -> dict[str, Any]:
         """Counters for monitoring: requests, tokens, steps, acceptance, occupancy, KV bytes."""
         with self._lock:

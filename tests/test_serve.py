@@ -445,6 +445,18 @@ def test_an_engine_failure_is_a_server_error_not_a_hang():
         assert http.get("/health").status_code == 200
 
 
+def test_health_reports_a_closed_engine():
+    from fastapi.testclient import TestClient
+
+    engine = accel.Engine(make_tiny_model(seed=1), max_batch=1)
+    app = create_app(engine, make_tiny_tokenizer(), model_id="x", context_length=64)
+    with TestClient(app) as http:
+        assert http.get("/health").json()["status"] == "ok"
+        engine.close()
+        r = http.get("/health")
+        assert r.status_code == 503 and r.json()["status"] == "unavailable"
+
+
 # ------------------------------------------------------------------------------ pieces
 
 
