@@ -104,6 +104,11 @@ class SharedCache(TransformersCache):
         rows = self._len[layer_idx]
         return (max(rows) if rows else 0) + self._pending[layer_idx]
 
+    @property
+    def pending_entries(self) -> int:
+        """Entries each row appended since the last commit (the same in every layer)."""
+        return self._pending[0]
+
     def row_lengths(self, layer_idx: int = 0) -> list[int]:
         """Committed entries of each row in one layer."""
         return list(self._len[layer_idx])
@@ -277,6 +282,8 @@ class SharedCache(TransformersCache):
         tree_mask: BoolTensor [B, T, T], True where new token i may see new token j (its
             ancestors and itself), or None for T == 1.
         groups: query heads per KV head (per-head masks are given per query head).
+        Entries appended by earlier forwards since the last commit (a draft model feeding a
+        chain token by token) are seen by every new token.
         Returns the mask to hand the model ([B, 1, T, P + T] additive, of ``dtype``), or
         None when a plain causal mask over the cache is right (one token per row, every row
         of every layer the same length, nothing padded). Layers whose mask differs get
@@ -284,7 +291,7 @@ class SharedCache(TransformersCache):
         """
         bsz, t = positions.shape
         self._step_positions = positions
-        if t == 1 and not self.ragged and len(set(self._len[0])) <= 1:
+        if t == 1 and not self.ragged and len(set(self._len[0])) <= 1 and not any(self._pending):
             self._masks = [None] * self.num_layers
             return None
         device = positions.device
@@ -295,14 +302,17 @@ class SharedCache(TransformersCache):
         masks: list[torch.Tensor | None] = []
         for layer in range(self.num_layers):
             lengths = self._len[layer]
-            past = max(lengths) if lengths else 0
+            pending = self._pending[layer]
+            past = (max(lengths) if lengths else 0) + pending
             window = self.windows[layer]
             valid = self._valid[layer]
-            key = (tuple(lengths), window, id(valid) if valid is not None else None)
+            key = (tuple(lengths), pending, window, id(valid) if valid is not None else None)
             mask = memo.get(key)
             if mask is None:
                 cols = torch.arange(past, device=device)
                 seen = cols.unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)  # [B, P]
+                if pending:  # entries of earlier forwards since the last commit: a chain the new tokens extend
+                    seen |= cols.unsqueeze(0) >= self._base[layer]
                 seen = seen[:, None, None, :]  # [B, 1, 1, P]
                 if valid is not None:
                     w = min(past, valid.shape[2])
@@ -354,30 +364,37 @@ class SharedCache(TransformersCache):
             steps = [len(r) for r in rows]
         else:
             steps = [int(advance)] * bsz if isinstance(advance, int) else [int(a) for a in advance]
+        memo: dict[tuple, tuple | None] = {}  # index tensors, shared by layers of equal lengths
         for layer in range(self.num_layers):
             t = self._pending[layer]
             if not t:
                 continue
             base = self._base[layer]
             offsets = [list(range(t)) if r is None else list(r) for r in rows]
-            self._move(layer, base, offsets)
+            self._move(layer, base, offsets, memo)
             self._pending[layer] = 0
         self._step_positions = None
         self._masks = [None] * self.num_layers
         self.logical_lengths = [n + s for n, s in zip(self.logical_lengths, steps)]
         self._trim_windows()
 
-    def _move(self, layer: int, base: int, offsets: list[list[int]]) -> None:
+    def _move(self, layer: int, base: int, offsets: list[list[int]], memo: dict[tuple, tuple | None]) -> None:
         """Move row b's appended entries ``base + offsets[b]`` to just behind its committed ones."""
         lengths = self._len[layer]
-        width = max((len(o) for o in offsets), default=0)
-        if width and any(n != base or o != list(range(len(o))) for n, o in zip(lengths, offsets)):
+        key = (base, tuple(lengths))
+        if key not in memo:
+            width = max((len(o) for o in offsets), default=0)
+            memo[key] = None
+            if width and any(n != base or o != list(range(len(o))) for n, o in zip(lengths, offsets)):
+                device = self._k[layer].device
+                src = torch.tensor([[base + x for x in _pad_to(o, width)] for o in offsets], dtype=torch.long,
+                                   device=device)  # [B, A]
+                dst = torch.tensor([[n + i for i in range(width)] for n in lengths], dtype=torch.long, device=device)
+                memo[key] = (torch.arange(len(lengths), device=device).unsqueeze(1), src, dst)
+        moves = memo[key]
+        if moves is not None:
+            rows, src, dst = moves
             k, v, pos = self._k[layer], self._v[layer], self._pos[layer]
-            device = k.device
-            src = torch.tensor([[base + x for x in _pad_to(o, width)] for o in offsets], dtype=torch.long,
-                               device=device)  # [B, A]
-            dst = torch.tensor([[n + i for i in range(width)] for n in lengths], dtype=torch.long, device=device)
-            rows = torch.arange(len(lengths), device=device).unsqueeze(1)  # [B, 1]
             k[rows, :, dst] = k[rows, :, src]
             v[rows, :, dst] = v[rows, :, src]
             if pos is not None:

@@ -1,5 +1,5 @@
 """The ``accel`` command line: ``accel generate``, ``accel bench``, ``accel train-heads``,
-``accel calibrate``."""
+``accel calibrate``, ``accel serve``."""
 
 from __future__ import annotations
 
@@ -96,6 +96,12 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from accel.serve import run_cli
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="accel",
@@ -169,6 +175,25 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="cpu")
     c.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
     c.set_defaults(func=_calibrate)
+
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat, completions, SSE streaming)",
+                       description="OpenAI-compatible server (FastAPI + uvicorn) on an accel Engine: "
+                       "/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics. Needs the "
+                       "'serve' extra (pip install 'accel[serve]').")
+    s.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local folder, a .gguf "
+                   "file or a hub id already in the local cache")
+    s.add_argument("--strategy", action="append", default=[], metavar="NAME[:key=val,...]",
+                   help="the server's strategies, e.g. snapkv:budget=512 (repeatable); a request's 'accel' field "
+                   "replaces them")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    s.add_argument("--max-tokens", type=int, default=None, help="max_tokens of requests that give none (default 256)")
+    s.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists "
+                   "(default: from --model)")
+    s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    s.set_defaults(func=_serve)
     return parser
 
 

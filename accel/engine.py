@@ -225,7 +225,8 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
     device = trees[0].tokens.device
     t = max(tree.num_nodes for tree in trees)
     bsz = len(trees)
-    logical = cache.logical_lengths
+    # tokens appended since the last commit (a chain fed forward by forward) come first
+    logical = [n + cache.pending_entries for n in cache.logical_lengths]
     if t == 1:
         ids = torch.tensor([[tree.token_list[0]] for tree in trees], dtype=torch.long, device=device)
         positions = torch.tensor([[n] for n in logical], dtype=torch.long, device=device)
@@ -295,7 +296,8 @@ class Row:
     states: list[Any] = field(default_factory=list)
     hidden: torch.Tensor | None = None
     stats: Stats = field(default_factory=Stats)
-    finish_reason: str | None = None  # "stop" | "length" | "cancelled"
+    finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
+    error: BaseException | None = None  # why the request failed (finish_reason "error")
     started: float = field(default_factory=time.perf_counter)
     tag: Any = None  # the caller's handle for this row
     # Running estimate of the chance that a draft token is accepted given its parent was (a
@@ -419,7 +421,11 @@ class Batch:
             ctx = DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
                                generator=row.generator)
             t = time.perf_counter()
-            tree, source = propose(row.plan, row.states, ctx)
+            try:
+                tree, source = propose(row.plan, row.states, ctx)
+            except Exception as err:  # one request's drafter fails: that request ends, the batch goes on
+                row.error = err
+                tree, source = DraftTree.root_only(int(row.tokens[-1]), device=row.tokens.device), None
             draft_s.append(time.perf_counter() - t)
             trees.append(tree)
             sources.append(source)
@@ -442,6 +448,10 @@ class Batch:
         commit(self.cache, accs)
         elapsed = time.perf_counter() - t0
         for b, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
+            if row.error is not None:
+                row.finish_reason = "error"
+                out.append([])
+                continue
             new = row.emit(acc.emitted(tree))
             out.append(new)
             row.tokens = torch.cat([row.tokens, row.tokens.new_tensor(acc.emitted(tree))])
@@ -511,6 +521,9 @@ def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAF
         while batch.rows:
             with torch.inference_mode():
                 new = batch.step()
+                failed = next((r.error for r in batch.rows if r.error is not None), None)
+                if failed is not None:  # one call, one caller: a drafter's error is the call's
+                    raise failed
                 pairs = list(zip(batch.rows, new))
                 batch.retire_done()
             yield pairs

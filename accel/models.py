@@ -20,7 +20,8 @@ Public functions:
 - :func:`load_shared` -- :func:`load_model` once per process and (name, dtype, device),
   shared by every caller (draft models, the bench's assisted-generation baseline).
 - :func:`packaged_gguf_path` -- the joined GGUF file of a packaged model (joined once).
-- :func:`chat_ids` -- a user prompt through the tokenizer's chat template, as ``[1, n]`` ids.
+- :func:`chat_ids` -- a user prompt or a conversation through the tokenizer's chat template, as
+  ``[1, n]`` ids.
 - :func:`cache_dir` / :func:`default_checkpoint_dir` -- where converted checkpoints live.
 """
 
@@ -719,17 +720,18 @@ def _load_gguf_file(path: Path, dtype, device, attn_implementation):
 # --------------------------------------------------------------------------------------------
 
 
-def chat_ids(tokenizer, prompt: str, system: str | None = None) -> torch.LongTensor:
-    """Token ids ``[1, n]`` of one user turn through the tokenizer's chat template.
+def chat_ids(tokenizer, prompt: str | list[dict[str, str]], system: str | None = None) -> torch.LongTensor:
+    """Token ids ``[1, n]`` of a conversation through the tokenizer's chat template.
 
-    Applies ``tokenizer.apply_chat_template`` with ``add_generation_prompt=True`` (so the ids
-    end with the assistant header, e.g. ``<|im_start|>assistant\\n`` for SmolLM2). ``system``
-    optionally adds a system message (SmolLM2's template otherwise inserts its own default).
+    ``prompt`` is one user turn (a string) or a whole conversation: mappings with ``role`` and
+    ``content``, as OpenAI's ``messages``. Applies ``tokenizer.apply_chat_template`` with
+    ``add_generation_prompt=True`` (so the ids end with the assistant header, e.g.
+    ``<|im_start|>assistant\\n`` for SmolLM2). ``system`` optionally puts a system message first
+    (SmolLM2's template otherwise inserts its own default).
     """
-    messages = []
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
     if system is not None:
-        messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": prompt})
+        messages.insert(0, {"role": "system", "content": system})
     # Render to text, then tokenize without extra specials: the template already has them.
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]

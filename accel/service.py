@@ -140,7 +140,6 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._closed = threading.Event()
-        self._error: BaseException | None = None
         self._counters = dict(requests_total=0, tokens_generated=0, verify_steps=0, accepted_tokens=0,
                               batch_rows_stepped=0)
         self._thread = threading.Thread(target=self._loop, name="accel-engine", daemon=True)
@@ -184,6 +183,11 @@ class Engine:
         self._wake.set()
         return handle
 
+    @property
+    def alive(self) -> bool:
+        """Whether the loop thread is running (False once closed)."""
+        return self._thread.is_alive() and not self._closed.is_set()
+
     def metrics(self) -> dict[str, Any]:
         """Counters for monitoring: requests, tokens, steps, acceptance, occupancy, KV bytes."""
         with self._lock:
@@ -217,26 +221,35 @@ class Engine:
 
     def _loop(self) -> None:
         try:
-            with adapter.packed_gqa_attention(self.model), adapter.per_layer_masks(self.model, self._batch.cache):
-                while not self._closed.is_set():
-                    self._drop_cancelled()
-                    admitted = self._admit()
-                    if not self._live:
-                        if not admitted:
-                            self._wake.wait(0.05)
-                            self._wake.clear()
-                        continue
-                    with torch.inference_mode():
-                        new = self._batch.step()
-                    self._deliver(list(zip(self._batch.rows, new)))
-        except BaseException as err:  # a failing forward must not leave callers waiting forever
-            self._error = err
-            for h in self._live + self._drain():
-                self._finish(h, "error", error=f"{type(err).__name__}: {err}")
-            raise
+            while not self._closed.is_set():
+                try:
+                    self._serve()
+                except Exception as err:  # a failed step fails the requests in it, not the service
+                    message = f"{type(err).__name__}: {err}"
+                    for h in list(self._live):
+                        self._finish(h, "error", error=message)
+                    with self._lock:
+                        self._live.clear()
+                    self._batch = Batch(self.model, max_draft=self._batch.max_draft, row_capacity=self.max_batch,
+                                        costs=self._batch.costs)
         finally:
             for h in self._live + self._drain():
                 self._finish(h, "cancelled")
+
+    def _serve(self) -> None:
+        """Admit, step and retire until the engine closes (or a step raises)."""
+        with adapter.packed_gqa_attention(self.model), adapter.per_layer_masks(self.model, self._batch.cache):
+            while not self._closed.is_set():
+                self._drop_cancelled()
+                admitted = self._admit()
+                if not self._live:
+                    if not admitted:
+                        self._wake.wait(0.05)
+                        self._wake.clear()
+                    continue
+                with torch.inference_mode():
+                    new = self._batch.step()
+                self._deliver(list(zip(self._batch.rows, new)))
 
     def _drain(self) -> list[RequestHandle]:
         out = []
@@ -265,8 +278,13 @@ class Engine:
             new.append(h)
         if not new:
             return False
-        with torch.inference_mode():
-            self._batch.admit([h.row for h in new])
+        try:
+            with torch.inference_mode():
+                self._batch.admit([h.row for h in new])
+        except Exception as err:  # the prefill of these requests failed; the running batch is untouched
+            for h in new:
+                self._finish(h, "error", error=f"{type(err).__name__}: {err}")
+            return True
         with self._lock:
             self._live.extend(new)
         self._deliver([(h.row, list(h.row.generated)) for h in new], count_step=False)
@@ -289,18 +307,19 @@ class Engine:
                 self._counters["accepted_tokens"] += accepted
         for row, _ in pairs:
             if row.done:
-                self._retire(row.tag, row.finish_reason)
+                error = None if row.error is None else f"{type(row.error).__name__}: {row.error}"
+                self._retire(row.tag, row.finish_reason, error)
 
     def _drop_cancelled(self) -> None:
         for h in [h for h in self._live if h.cancelled]:
             self._retire(h, "cancelled")
 
-    def _retire(self, h: RequestHandle, reason: str) -> None:
+    def _retire(self, h: RequestHandle, reason: str, error: str | None = None) -> None:
         with torch.inference_mode():
             self._batch.retire(h.row)
         with self._lock:
             self._live.remove(h)
-        self._finish(h, reason)
+        self._finish(h, reason, error)
 
     def _finish(self, h: RequestHandle, reason: str, error: str | None = None) -> None:
         if h.done:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import threading
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,8 +38,9 @@ from pydantic import ConfigDict, Field, field_serializer, field_validator
 from accel import adapter
 from accel.acceptance import draw_from
 from accel.cache import SharedCache
-from accel.engine import prefill
+from accel.engine import prefill, verify
 from accel.models import load_shared
+from accel.tree import DraftTree
 from accel.strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy, build_strategy, register
 
 __all__ = ["DraftModel", "fit_vocab", "check_vocabularies"]
@@ -299,21 +299,12 @@ class DraftModel(Drafter):
     def _forward(self, state: _State, feed: list[int]) -> torch.Tensor:
         """Append ``feed`` to the draft cache (uncommitted); the logits after its last token, [V_d]."""
         cache = state.cache
-        if cache.ragged and state.pending:
-            # Per-layer masks of a padded cache cover its committed entries only: run the
-            # uncommitted tokens again together with the new ones.
-            feed = state.pending + feed
-            cache.rollback()
-            state.pending = []
-        start = cache.logical_length + len(state.pending)
         device = adapter.geometry(state.model).device
-        ids = self._ids(state, feed).to(device).unsqueeze(0)
-        positions = torch.arange(start, start + len(feed), device=device).unsqueeze(0)
-        masks = adapter.per_layer_masks(state.model, cache) if cache.ragged else nullcontext()
-        with masks:
-            hidden = adapter.backbone_forward(state.model, ids, positions, cache)
+        ids = self._ids(state, feed).to(device)
+        tree = DraftTree.chain(int(ids[0]), ids[1:], device=device)
+        hidden = verify(state.model, cache, tree, adapter.geometry(state.model).dtype)
         state.pending += feed
-        return adapter.output_logits(state.model, hidden[0, -1])
+        return adapter.output_logits(state.model, hidden[-1])
 
     @staticmethod
     def _ids(state: _State, tokens: list[int]) -> torch.Tensor:

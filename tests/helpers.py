@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["TINY_VOCAB", "SMALL_DRAFT", "make_tiny_config", "make_tiny_model"]
+__all__ = ["TINY_VOCAB", "SMALL_DRAFT", "make_tiny_config", "make_tiny_model", "make_tiny_tokenizer"]
 
 #: Vocabulary size of the tiny models (ids 0..96; 0 = bos/pad, 1 = eos).
 TINY_VOCAB = 97
@@ -51,3 +51,42 @@ def make_tiny_model(seed: int = 0, num_kv_heads: int = 2, **overrides) -> LlamaF
     model.to(torch.float32)
     model.eval()
     return model
+
+
+# Words of the tiny tokenizer, after its 6 special tokens; TINY_VOCAB ids in all.
+_TINY_WORDS = (
+    "the a an and or of to in on at is are was be it this that with for as by from not no yes "
+    "hello world what how why who when where which you me we they he she i my your our "
+    "cat dog bird fish tree sun moon star sky sea rain snow wind fire stone road house door "
+    "red blue green black white big small old new good bad hot cold fast slow one two three "
+    "four five six seven eight nine ten up down left right"
+).split()
+
+#: ChatML-like template over the tiny tokenizer's specials.
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def make_tiny_tokenizer():
+    """A word-level ``PreTrainedTokenizerFast`` over the tiny models' vocabulary, built offline.
+
+    Ids: 0 ``<s>`` (bos/pad), 1 ``</s>`` (eos), 2-4 the chat roles ``<|system|>``, ``<|user|>``,
+    ``<|assistant|>``, 5 ``<unk>``, then plain words; decoding joins words with spaces. It has
+    a chat template, so ``accel.models.chat_ids`` works on it.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "</s>", "<|system|>", "<|user|>", "<|assistant|>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + list(_TINY_WORDS))}
+    assert len(vocab) == TINY_VOCAB, len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<s>", unk_token="<unk>",
+        additional_special_tokens=specials[2:5],
+    )
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok

@@ -326,3 +326,160 @@ def test_draft_model_run_and_hf_assisted_baseline(tmp_path):
     out = run_experiment(load_config(_write(tmp_path, missing)), tmp_path / "out2", model=make_tiny_model(),
                          tokenizer=CharTokenizer(), quiet=True)
     assert "**unavailable:** draft model" in (out / "summary.md").read_text()
+
+
+# --------------------------------------------------------------------------- batched and arrivals
+
+
+def _rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+BATCHED = {
+    "tasks": [{"kind": "chat", "prompts": 3}, {"kind": "long_doc", "lengths": [300], "instructions": ["repeat"]}],
+    "baselines": ["hf_generate", "hf_prompt_lookup", "hf_generate_batch"],
+    "runs": {"accel_plain": [], "pl": ["prompt_lookup:num_tokens=4"]},
+    "generation": {"max_new_tokens": 8},
+    "batch_sizes": [1, 2],
+    "warmup_tokens": 2,
+    "threads": 1,
+}
+
+
+def test_batch_sizes_and_arrivals_errors_name_the_field(tmp_path):
+    bad = dict(GOOD, batch_sizes=[0, 4, 4, "many"], arrivals={"requests": 0, "interval_s": -1, "task": "poems"})
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, bad))
+    msg = str(info.value)
+    for needle in ("batch_sizes[0]: Input should be greater than 0", "batch_sizes[3]", "arrivals.requests",
+                   "arrivals.interval_s"):
+        assert needle in msg, needle
+    with pytest.raises(ConfigError, match=r"batch_sizes: List should have at least 1 item"):
+        load_config(_write(tmp_path, dict(GOOD, batch_sizes=[])))
+    with pytest.raises(ConfigError) as info:
+        load_config(_write(tmp_path, dict(GOOD, batch_sizes=[1, 4, 4], arrivals={"task": "poems"})))
+    msg = str(info.value)
+    assert "batch_sizes: 4 is listed twice" in msg
+    assert "arrivals.task: 'poems' is not a task" in msg
+    exp = load_config(_write(tmp_path, dict(GOOD, batch_sizes=[1, 8], arrivals={"requests": 4})))
+    assert exp.batched and exp.arrivals.interval_s == 0.25 and exp.arrivals.max_batch is None
+    assert not load_config(_write(tmp_path, GOOD)).batched
+
+
+def test_make_groups_cycle_a_task_s_items(tmp_path):
+    from accel.bench.runner import make_groups
+
+    exp = load_config(_write(tmp_path, dict(GOOD, tasks=[{"kind": "chat", "prompts": 5}, {"kind": "chat", "name": "two",
+                                                                                       "prompts": 2}])))
+    items = build_items(exp, CharTokenizer())
+    groups = make_groups(items, [1, 2, 4])
+    chat = {b: [[i.item_id for i in g.items] for g in groups if g.task == "chat" and g.batch_size == b] for b in (1, 2, 4)}
+    assert len(chat[1]) == 5 and chat[2] == [["p00", "p01"], ["p02", "p03"], ["p04", "p00"]]
+    assert chat[4] == [["p00", "p01", "p02", "p03"], ["p04", "p00", "p01", "p02"]]
+    two = [[i.item_id for i in g.items] for g in groups if g.task == "two" and g.batch_size == 4]
+    assert two == [["p00", "p01", "p00", "p01"]]  # fewer items than B: cycled
+
+
+def test_chunk_timer_and_percentile():
+    from accel.bench.batched import ChunkTimer, percentile
+
+    timer = ChunkTimer(rows=3)
+    timer.start()
+    timer.put(torch.zeros(3, 7))  # the prompt
+    for _ in range(4):
+        timer.put(torch.zeros(3, dtype=torch.long))
+    assert [n for _, n in timer.chunks] == [1, 1, 1, 1]
+    assert timer.time_of_token(0) == timer.chunks[0][0] and timer.time_of_token(3) == timer.chunks[3][0]
+    assert timer.time_of_token(4) is None
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([0.0, 10.0], 95) == pytest.approx(9.5)
+    assert percentile([], 50) is None
+
+
+def test_batched_grid_rows_exact_and_same_as_single_rows(tmp_path):
+    model = make_tiny_model(max_position_embeddings=2048)
+    out = run_experiment(load_config(_write(tmp_path, BATCHED)), tmp_path / "batched", model=model,
+                         tokenizer=CharTokenizer(), command="pytest batched", quiet=True)
+    assert model.config._attn_implementation == "sdpa"  # continuous batching put it back
+    rows = _rows(out)
+    assert all(r["mode"] == "batch" and not r["error"] and r["failures"] == 0 for r in rows), [r["error"] for r in rows]
+    # chat: 3 + 2 groups (the second of B=2 cycles to p00), long_doc (1 item): 1 + 1; hf_prompt_lookup
+    # only at batch size 1
+    seen = {(r["task"], r["batch_size"], r["group"], r["config"]) for r in rows}
+    assert len(rows) == len(seen)
+    assert {(t, b) for t, b, _, c in seen if c == "hf_prompt_lookup"} == {("chat", 1), ("long_doc", 1)}
+    for config in ("hf_generate", "hf_generate_batch", "accel_plain", "pl"):
+        assert len([k for k in seen if k[3] == config]) == 7, config
+    for r in rows:
+        assert len(r["rows"]) == r["batch_size"] == len(r["items"])
+        assert r["tok_s"] > 0 and r["new_tokens"] == sum(p["new_tokens"] for p in r["rows"])
+        assert r["peak_rss_mib"] > 0 and r["kv_bytes_full"] > 0
+        assert r["compared_rows"] == r["batch_size"] and r["exact_rows"] == r["batch_size"], (r["config"], r["task"])
+        for p in r["rows"]:
+            assert p["exact"] is True and p["agreement"] == 1.0
+            assert 0 < p["first_token_s"] <= p["latency_s"] <= r["e2e_s"] + 1e-6
+        if r["config"] in ("accel_plain", "pl"):
+            assert r["kv_bytes_kept"] == r["kv_bytes_full"]
+        if r["config"] == "hf_generate":  # the padded cache holds at least every row's own entries
+            assert r["kv_bytes_kept"] >= r["kv_bytes_full"]
+    # a row's output in a batch is what it is alone: same text as the per-item grid
+    single = run_experiment(load_config(_write(tmp_path, dict(BATCHED, batch_sizes=[1], baselines=["hf_generate"]),
+                                               "single.yaml")), tmp_path / "single", model=model,
+                            tokenizer=CharTokenizer(), quiet=True)
+    alone = {(r["config"], r["task"], r["item"]): r["text"] for r in _rows(single)}
+    assert all("mode" not in r for r in _rows(single))  # the per-item grid's rows are as before
+    for r in rows:
+        if r["config"] in ("accel_plain", "pl", "hf_generate"):
+            for item, p in zip(r["items"], r["rows"]):
+                assert p["text"] == alone[(r["config"], r["task"], item)], (r["config"], r["batch_size"], item)
+
+    summary = (out / "summary.md").read_text()
+    assert "## Task `" not in summary  # no per-item tables in a batched experiment
+    assert "## Batched: task `chat` (chat), batch size 2 (2 group(s) of 2" in summary and "## Batched: task `long_doc`" in summary
+    assert "| `hf_generate` (ref) |" in summary and "| `hf_generate_batch` |" in summary and "| `pl` |" in summary
+    assert "Not run at this batch size: `hf_prompt_lookup` (transformers' assisted generation" in summary
+    assert "attention sdpa" in summary
+    assert (out / "throughput_vs_batch.png").stat().st_size > 1000
+
+
+def test_arrivals_record_latency_and_ttft_for_every_request(tmp_path):
+    data = dict(BATCHED, tasks=[{"kind": "chat", "prompts": 3}], baselines=["hf_generate", "hf_generate_batch"],
+                runs={"accel_plain": []}, batch_sizes=[1], arrivals={"requests": 5, "interval_s": 0.01, "max_batch": 2})
+    model = make_tiny_model()
+    out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=model, tokenizer=CharTokenizer(),
+                         quiet=True)
+    assert model.config._attn_implementation == "sdpa"
+    rows = _rows(out)
+    single = [r for r in rows if "mode" not in r]
+    assert len(single) == 3 * 3 and all(r["exact"] for r in single)  # the per-item grid still runs
+    arrivals = [r for r in rows if r.get("mode") == "arrivals"]
+    assert sorted(r["config"] for r in arrivals) == ["accel_plain", "hf_generate", "hf_generate_batch"]
+    for r in arrivals:
+        assert not r["error"] and r["failures"] == 0
+        assert r["requests"] == 5 and r["batch_size"] == 2 and r["interval_s"] == 0.01
+        assert r["items"] == ["p00", "p01", "p02", "p00", "p01"]
+        assert len(r["rows"]) == 5 and r["tok_s"] > 0 and r["e2e_s"] >= 4 * 0.01
+        for p in r["rows"]:
+            assert 0 < p["first_token_s"] <= p["latency_s"], r["config"]
+            assert p["exact"] is True
+        assert r["latency_p50_s"] <= r["latency_p95_s"]
+    summary = (out / "summary.md").read_text()
+    assert "## Task `chat`" in summary  # the per-item table, as before
+    assert "## Arrivals: 5 `chat` requests, one every 0.01 s, at most 2 decoded together" in summary
+    assert "| `accel_plain` |" in summary.split("## Arrivals")[1]
+
+
+def test_unrunnable_baseline_and_reference_in_batched_mode(tmp_path, monkeypatch):
+    from accel.bench import batched
+
+    monkeypatch.setattr(batched, "cb_probe", lambda *a: (None, "continuous batching does not run here (test)"))
+    data = dict(BATCHED, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate", "hf_generate_batch"],
+                runs={"accel_plain": []}, batch_sizes=[1, 2])
+    out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=make_tiny_model(),
+                         tokenizer=CharTokenizer(), quiet=True)
+    assert {r["config"] for r in _rows(out)} == {"hf_generate", "accel_plain"}
+    assert "**unavailable:** continuous batching does not run here (test)" in (out / "summary.md").read_text()
+    bad = dict(data, baselines=["hf_generate", "hf_prompt_lookup"], reference="hf_prompt_lookup")
+    with pytest.raises(ValueError, match="reference 'hf_prompt_lookup' cannot run batches of 2"):
+        run_experiment(load_config(_write(tmp_path, bad, "bad.yaml")), tmp_path / "bad", model=make_tiny_model(),
+                       tokenizer=CharTokenizer(), quiet=True)
+    assert not (tmp_path / "bad").exists()

@@ -125,3 +125,31 @@ def test_hooks_removed_and_memory_flat_over_500_requests(model):
     assert rss[-1] - rss[1] < 20 * 2**20  # flat after the first waves warmed the allocator
     assert all(not m._forward_pre_hooks for m in attention)
     assert model.config._attn_implementation == "sdpa"
+
+
+class _Broken(accel.Drafter):
+    """A drafter that fails on its third proposal."""
+
+    name = "broken_test"
+
+    def start(self, model, prompt):
+        return {"calls": 0}
+
+    def propose(self, state, ctx):
+        state["calls"] += 1
+        if state["calls"] == 3:
+            raise RuntimeError("drafter exploded")
+        return None
+
+
+def test_a_failing_request_ends_alone_and_the_engine_serves_on(model):
+    with accel.Engine(model, max_batch=4, eos_token_id=[]) as engine:
+        bad = engine.submit(_prompt(1), max_new_tokens=30, strategies=[_Broken()])
+        good = engine.submit(_prompt(2), max_new_tokens=30)
+        r = bad.result(timeout=60)
+        assert r.finish_reason == "error" and "drafter exploded" in r.error
+        assert good.result(timeout=60).tokens == _alone(model, _prompt(2), 30)
+        after = engine.submit(_prompt(3), max_new_tokens=5)
+        assert after.result(timeout=60).tokens == _alone(model, _prompt(3), 5)
+    with pytest.raises(RuntimeError, match="drafter exploded"):  # one call: the error is the caller's
+        accel.generate(model, _prompt(1).unsqueeze(0), strategies=[_Broken()], max_new_tokens=30)

@@ -5,10 +5,12 @@ Layout:
 - :mod:`.schema`: the experiment file (pydantic), ``--set`` overrides, :class:`ConfigError`.
 - :mod:`.tasks`: needle / long_doc / chat items, generated from the seed (nothing downloaded).
 - :mod:`.runner`: configurations (HF baselines and accel runs), the warmed-up, interleaved grid.
+- :mod:`.batched`: how each configuration runs a batch, and requests arriving over time.
 - :mod:`.report`: summary.md and the PNG plots.
 
-Outputs, in the output folder: ``results.jsonl`` (one row per run), ``summary.md``,
-``speedup_vs_length.png``, ``needle_<task>.png``, ``accepted_per_step.png``, and
+Outputs, in the output folder: ``results.jsonl`` (one row per run; batched and arrivals rows
+carry ``mode`` and a ``rows`` list), ``summary.md``, ``speedup_vs_length.png``,
+``needle_<task>.png``, ``accepted_per_step.png``, ``throughput_vs_batch.png``, and
 ``experiment.json`` (the validated experiment, overrides applied).
 """
 
@@ -91,14 +93,29 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
     ref = next(c for c in configs if c.name == experiment.reference)
     if ref.unavailable:
         raise ValueError(f"reference {ref.name!r} is unavailable: {ref.unavailable}")
+    if experiment.batched:
+        for b in experiment.batch_sizes:
+            if not ref.takes(b):
+                raise ValueError(f"reference {ref.name!r} cannot run batches of {b}"
+                                 + (f" ({ref.batch_note})" if ref.batch_note else "") + "; pick another reference")
+    if experiment.arrivals is not None and ref.serve is None:
+        raise ValueError(f"reference {ref.name!r} cannot serve arrivals ({ref.serve_note}); pick another reference")
 
     out.mkdir(parents=True, exist_ok=True)
-    for stale in [*out.glob("needle_*.png"), out / "speedup_vs_length.png", out / "accepted_per_step.png"]:
+    for stale in [*out.glob("needle_*.png"), out / "speedup_vs_length.png", out / "accepted_per_step.png",
+                  out / "throughput_vs_batch.png"]:
         stale.unlink(missing_ok=True)  # plots of an earlier run that this one may not redraw
     (out / "experiment.json").write_text(json.dumps(experiment.model_dump(mode="json"), indent=2) + "\n")
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t0 = time.perf_counter()
-    rows = runner.run_grid(experiment, model, tokenizer, configs, items, out / "results.jsonl", quiet=quiet)
+    results = out / "results.jsonl"
+    if experiment.batched:
+        results.write_text("", encoding="utf-8")
+        rows = runner.run_batched_grid(experiment, model, tokenizer, configs, items, results, quiet=quiet)
+    else:
+        rows = runner.run_grid(experiment, model, tokenizer, configs, items, results, quiet=quiet)
+    if experiment.arrivals is not None:
+        rows += runner.run_arrivals(experiment, model, tokenizer, configs, items, results, quiet=quiet)
     wall = time.perf_counter() - t0
 
     meta = {
@@ -108,7 +125,10 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
         "started": started,
         "wall_s": wall,
         "configurations": [
-            {"name": c.name, "kind": c.kind, "spec": c.spec, "unavailable": c.unavailable} for c in configs
+            {"name": c.name, "kind": c.kind, "spec": c.spec, "unavailable": c.unavailable,
+             "max_batch": c.max_batch if c.batch is not None else 0, "batch_note": c.batch_note,
+             "serves": c.serve is not None, "serve_note": c.serve_note}
+            for c in configs
         ],
     }
     plots = report.write_plots(rows, experiment.reference, out)

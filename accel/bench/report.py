@@ -3,6 +3,9 @@
 Speed-ups are ratios to the reference configuration measured in the same run, on the same
 item and repeat: ``decode speed-up = decode_tok_s / reference decode_tok_s`` and
 ``e2e speed-up = reference e2e_s / e2e_s``, then the geometric mean over items x repeats.
+Batched and arrivals rows (``mode``) get their own sections: aggregate tok/s is every new
+token over every call's wall time, its ratio the geometric mean of per-call ratios to the
+reference's call on the same group and repeat; latency percentiles pool every request.
 Plots use matplotlib's ``Figure`` directly (Agg canvas), never pyplot's global state.
 """
 
@@ -14,7 +17,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-__all__ = ["write_summary", "write_plots", "aggregate"]
+from .batched import percentile
+
+__all__ = ["write_summary", "write_plots", "aggregate", "aggregate_calls"]
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -31,8 +36,64 @@ def _fmt(x: float | None, digits: int = 2, suffix: str = "") -> str:
     return "–" if x is None else f"{x:.{digits}f}{suffix}"
 
 
-def _ordered(values: list[str]) -> list[str]:
+def _ordered(values: list[Any]) -> list[Any]:
     return list(dict.fromkeys(values))
+
+
+def _single(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-item grid's rows (batched and arrivals rows carry a ``mode``)."""
+    return [r for r in rows if r.get("mode", "single") == "single"]
+
+
+def aggregate_calls(rows: list[dict[str, Any]], reference: str, mode: str) -> dict[tuple[str, int], dict[str, dict[str, Any]]]:
+    """``{(task, batch size): {config: figures}}`` over the ``mode`` rows ("batch" or "arrivals")."""
+    rows = [r for r in rows if r.get("mode") == mode]
+    ref = {(r["task"], r["batch_size"], r["group"], r["repeat"]): r for r in rows
+           if r["config"] == reference and not r["error"] and r["tok_s"]}
+    table: dict[tuple[str, int], dict[str, dict[str, Any]]] = {}
+    for key in _ordered([(r["task"], r["batch_size"]) for r in rows]):
+        table[key] = {}
+        for config in _ordered([r["config"] for r in rows]):
+            rs = [r for r in rows if (r["task"], r["batch_size"]) == key and r["config"] == config]
+            if not rs:
+                continue
+            ok = [r for r in rs if not r["error"]]
+            per = [p for r in ok for p in r["rows"] if not p["error"]]
+            ratios = []
+            for r in ok:
+                base = ref.get((r["task"], r["batch_size"], r["group"], r["repeat"]))
+                if base is not None and r["tok_s"]:
+                    ratios.append(r["tok_s"] / base["tok_s"])
+            dec = [r for r in ok if r["decode_s"] and r["decode_tokens"]]
+            steps = sum(p["verify_steps"] or 0 for p in per)
+            emitted = sum((p["mean_accepted"] or 0) * (p["verify_steps"] or 0) for p in per)
+            compared = sum(r["compared_rows"] or 0 for r in ok)
+            lat = [p["latency_s"] for p in per]
+            ttft = [p["first_token_s"] for p in per]
+            e2e = sum(r["e2e_s"] for r in ok)
+            table[key][config] = {
+                "kind": rs[0]["kind"], "config_kind": rs[0]["config_kind"], "calls": len(ok),
+                "requests": sum(len(r["rows"]) for r in ok),
+                "errors": [r["error"] for r in rs if r["error"]] + [p["error"] for r in ok for p in r["rows"] if p["error"]],
+                "new_tokens": _mean([r["new_tokens"] for r in ok]),
+                "tok_s": sum(r["new_tokens"] for r in ok) / e2e if e2e > 0 else None,
+                "speedup": _geomean(ratios),
+                "decode_tok_s": sum(r["decode_tokens"] for r in dec) / sum(r["decode_s"] for r in dec) if dec else None,
+                "mean_accepted": emitted / steps if steps else None,
+                "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
+                "latency_mean_s": _mean(lat),
+                "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95), "ttft_mean_s": _mean(ttft),
+                "kv_kept_mib": _mean([r["kv_bytes_kept"] / 2**20 for r in ok if r["kv_bytes_kept"] is not None]),
+                "kv_full_mib": _mean([r["kv_bytes_full"] / 2**20 for r in ok if r["kv_bytes_full"] is not None]),
+                "peak_rss_mib": max((r["peak_rss_mib"] for r in ok if r["peak_rss_mib"] is not None), default=None),
+                "peak_gpu_mib": max((r["peak_gpu_mib"] for r in ok if r["peak_gpu_mib"] is not None), default=None),
+                "exact": (sum(r["exact_rows"] or 0 for r in ok), compared) if compared else None,
+                "agreement": _mean([r["agreement"] for r in ok if r["agreement"] is not None]),
+                "overhead_s": _mean([r.get("overhead_s") for r in ok if r.get("overhead_s") is not None]),
+                "correct": (sum(bool(p["correct"]) for p in per if p["correct"] is not None),
+                            sum(1 for p in per if p["correct"] is not None)),
+            }
+    return table
 
 
 def _ratios(rows: list[dict[str, Any]], reference: str) -> dict[tuple[str, str, int], dict[str, float | None]]:
@@ -103,6 +164,8 @@ def _machine_line(m: dict[str, Any]) -> str:
 def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], plots: list[Path]) -> None:
     exp, machine, reference = meta["experiment"], meta["machine"], meta["experiment"]["reference"]
     gen = exp["generation"]
+    batched = exp.get("batch_sizes", [1]) != [1]
+    all_rows, rows = rows, _single(rows)
     lines = [f"# Benchmark: {exp['name']}", ""]
     if exp.get("description"):
         lines += [exp["description"].strip(), ""]
@@ -115,10 +178,13 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         + ("; linear weights prepacked for oneDNN (`accel.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
         f"- **Generation:** greedy, max_new_tokens {gen['max_new_tokens']}, max_draft_tokens "
         f"{gen['max_draft_tokens']}; {exp['repeats']} repeat(s); seed {exp['seed']}; warm-up "
-        f"{exp['warmup_tokens']} tokens per configuration; configurations interleaved (rotated order per item)",
-        f"- **Reference:** `{reference}`. Speed-ups are ratios to it measured in the same run on the same "
-        "item and repeat (decode: tok/s ÷ its tok/s; e2e: its seconds ÷ these seconds), geometric mean over "
-        "items × repeats.",
+        f"{exp['warmup_tokens']} tokens per configuration; configurations interleaved (rotated order per "
+        + (f"group of B items; batch sizes {', '.join(map(str, exp['batch_sizes']))})" if batched else "item)"),
+        (f"- **Reference:** `{reference}`. Speed-ups are ratios to it measured in the same run on the same "
+         "item and repeat (decode: tok/s ÷ its tok/s; e2e: its seconds ÷ these seconds), geometric mean over "
+         "items × repeats." if not batched else
+         f"- **Reference:** `{reference}`. Ratios are to its aggregate tok/s on the same group of items (or the "
+         "same arrivals) and repeat, at the same batch size, geometric mean over groups × repeats."),
         f"- **Started:** {meta['started']}; grid wall time {meta['wall_s']:.0f} s",
         "",
         "## Configurations",
@@ -168,26 +234,30 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
             lines += ["", "Failures: " + "; ".join(f"`{n}`: {e}" for n, e in _ordered_pairs(errors))]
         lines.append("")
 
-    lines += [
-        "## What the columns measure",
-        "",
-        "- **prefill s**: accel runs: prompt forward (with compression) + first token, from `Stats.prefill_s`. "
-        "HF baselines: time from the `model.generate` call until a streamer receives the first new token(s) "
-        "(for `hf_prompt_lookup` and `hf_assisted` that first forward also verifies the first draft).",
-        "- **decode tok/s**: tokens after the first one(s) ÷ the time after the prefill (accel: "
-        "`Stats.decode_tokens / Stats.decode_s`; HF: (new tokens − first chunk) ÷ (e2e − prefill)).",
-        "- **e2e s**: the whole `accel.generate` / `model.generate` call. Lossy configurations may "
-        "generate a different number of tokens than the reference (see *new tok*).",
-        "- **tokens/step**: tokens emitted per verify step, bonus token included (1.00 = no draft accepted).",
-        "- **KV MiB kept/full**: cache bytes held vs what an uncompressed cache holds for the same tokens.",
-        "- **peak RSS MiB**: the process's peak resident memory during the call, model weights included.",
-        "- **correct**: needle: the pass key's digits appear in the answer; long_doc repeat: the section's "
-        "first 12 words appear in order; extract: every person is named (score: fraction named); "
-        "summarise and chat: no reference answer.",
-        f"- **agreement**: fraction of the reference's (`{reference}`) tokens reproduced as a common prefix, "
-        "and in brackets how many outputs equal it token for token.",
-        "",
-    ]
+    lines += _batched_sections(all_rows, meta)
+
+    lines += ["## What the columns measure", ""]
+    if rows or not batched:
+        lines += [
+            "- **prefill s**: accel runs: prompt forward (with compression) + first token, from `Stats.prefill_s`. "
+            "HF baselines: time from the `model.generate` call until a streamer receives the first new token(s) "
+            "(for `hf_prompt_lookup` and `hf_assisted` that first forward also verifies the first draft).",
+            "- **decode tok/s**: tokens after the first one(s) ÷ the time after the prefill (accel: "
+            "`Stats.decode_tokens / Stats.decode_s`; HF: (new tokens − first chunk) ÷ (e2e − prefill)).",
+            "- **e2e s**: the whole `accel.generate` / `model.generate` call. Lossy configurations may "
+            "generate a different number of tokens than the reference (see *new tok*).",
+            "- **tokens/step**: tokens emitted per verify step, bonus token included (1.00 = no draft accepted).",
+            "- **KV MiB kept/full**: cache bytes held vs what an uncompressed cache holds for the same tokens.",
+            "- **peak RSS MiB**: the process's peak resident memory during the call, model weights included.",
+            "- **correct**: needle: the pass key's digits appear in the answer; long_doc repeat: the section's "
+            "first 12 words appear in order; extract: every person is named (score: fraction named); "
+            "summarise and chat: no reference answer.",
+            f"- **agreement**: fraction of the reference's (`{reference}`) tokens reproduced as a common prefix, "
+            "and in brackets how many outputs equal it token for token.",
+            "",
+        ]
+    if any(r.get("mode") in ("batch", "arrivals") for r in all_rows):
+        lines += _BATCHED_COLUMNS + [""]
     if plots:
         lines += ["## Plots", ""]
         lines += [f"![{p.stem}]({p.name})" for p in plots]
@@ -197,6 +267,100 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
 
 def _ordered_pairs(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return list(dict.fromkeys(pairs))
+
+
+_BATCHED_COLUMNS = [
+    "Batched and arrivals tables:",
+    "",
+    "- **tok/s**: every new token of every row ÷ the wall time of the calls (batched: the whole "
+    "`accel.generate` / `model.generate` call, `hf_generate_batch` from the first `add_request` to the last "
+    "result; arrivals: first submit to last completion). **vs ref**: geometric mean of each call's tok/s ÷ "
+    "the reference's on the same group and repeat.",
+    "- **decode tok/s**: tokens after every row's first ÷ the time after the last row's first token "
+    "(accel: `Stats.decode_tokens / Stats.decode_s`; `hf_generate`: from its streamer; `hf_generate_batch`: "
+    "from its per-token timestamps).",
+    "- **latency p50/p95 s** and **TTFT p50/p95 s**: each request's last and first new token, from the "
+    "start of its batched call, or (arrivals) from its submit; pooled over every request of every call.",
+    "- **KV MiB kept/full**: per call, summed over its rows; `hf_generate` keeps every row at the "
+    "padded batch length for every step, `hf_generate_batch` whole pages.",
+    "- **exact rows**: rows whose tokens equal the reference's row for the same item in the same call "
+    "group, of the rows compared (mean agreement in brackets).",
+]
+
+
+def _batched_table(configs: dict[str, dict[str, Any]], reference: str, arrivals: bool, gpu: bool) -> list[str]:
+    head = ["configuration", "requests", "new tok/call", "tok/s", "vs ref", "decode tok/s", "tokens/step",
+            "latency p50/p95 s", "TTFT p50/p95 s", "KV MiB kept/full", "peak RSS MiB"]
+    if arrivals:
+        head[3:3] = ["latency mean s"]
+        head.remove("decode tok/s")
+    if gpu:
+        head.append("peak GPU MiB")
+    head += ["correct", "exact rows"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name, v in configs.items():
+        label = f"`{name}`" + (" (ref)" if name == reference else "")
+        if v["errors"]:
+            label += f" ⚠ {len(v['errors'])} failed"
+        exact = "–"
+        if v["exact"] is not None:
+            exact = f"{v['exact'][0]}/{v['exact'][1]}" + (f" ({v['agreement']:.2f})" if v["agreement"] is not None else "")
+        cells = [label, str(v["requests"]), _fmt(v["new_tokens"], 0), _fmt(v["tok_s"], 1), _fmt(v["speedup"], 2, "×"),
+                 _fmt(v["decode_tok_s"], 1), _fmt(v["mean_accepted"], 2),
+                 f"{_fmt(v['latency_p50_s'], 2)}/{_fmt(v['latency_p95_s'], 2)}",
+                 f"{_fmt(v['ttft_p50_s'], 2)}/{_fmt(v['ttft_p95_s'], 2)}",
+                 f"{_fmt(v['kv_kept_mib'], 1)}/{_fmt(v['kv_full_mib'], 1)}", _fmt(v["peak_rss_mib"], 0)]
+        if arrivals:
+            cells[3:3] = [_fmt(v["latency_mean_s"], 2)]
+            del cells[6]  # decode tok/s: no prefill/decode split while requests keep arriving
+        if gpu:
+            cells.append(_fmt(v["peak_gpu_mib"], 0))
+        cells += [f"{v['correct'][0]}/{v['correct'][1]}" if v["correct"][1] else "–", exact]
+        lines.append("| " + " | ".join(cells) + " |")
+    overhead = [(n, v["overhead_s"]) for n, v in configs.items() if v["overhead_s"] is not None]
+    if overhead:
+        lines += ["", "Outside the timed window: " + "; ".join(
+            f"`{n}` {x:.2f} s per call (continuous-batching manager setup and stop)" for n, x in overhead)]
+    errors = [(n, e) for n, v in configs.items() for e in v["errors"]]
+    if errors:
+        lines += ["", "Failures: " + "; ".join(f"`{n}`: {e}" for n, e in _ordered_pairs(errors))]
+    return lines
+
+
+def _batched_sections(rows: list[dict[str, Any]], meta: dict[str, Any]) -> list[str]:
+    """summary.md's batched and arrivals sections (nothing when the rows have neither)."""
+    exp, reference = meta["experiment"], meta["experiment"]["reference"]
+    configs_meta = [c for c in meta["configurations"] if not c["unavailable"]]
+    gpu = any(r.get("peak_gpu_mib") is not None for r in rows if r.get("mode"))
+    lines: list[str] = []
+    table = aggregate_calls(rows, reference, "batch")
+    for (task, b), configs in table.items():
+        calls = [r for r in rows if r.get("mode") == "batch" and r["task"] == task and r["batch_size"] == b]
+        groups = len({r["group"] for r in calls})
+        kind = next(iter(configs.values()))["kind"]
+        lines += [f"## Batched: task `{task}` ({kind}), batch size {b} ({groups} group(s) of {b} × "
+                  f"{exp['repeats']} repeat(s))", ""]
+        lines += _batched_table(configs, reference, False, gpu)
+        skipped = [c for c in configs_meta if c["name"] not in configs and "max_batch" in c]
+        if skipped:
+            lines += ["", "Not run at this batch size: " + "; ".join(
+                f"`{c['name']}` ({c['batch_note'] or 'no batched form'})" for c in skipped)]
+        lines.append("")
+    arrivals = aggregate_calls(rows, reference, "arrivals")
+    for (task, b), configs in arrivals.items():
+        first = next(r for r in rows if r.get("mode") == "arrivals" and r["task"] == task)
+        lines += [f"## Arrivals: {first['requests']} `{task}` requests, one every {first['interval_s']:g} s, "
+                  f"at most {b} decoded together ({exp['repeats']} repeat(s))", "",
+                  "`hf_generate` runs static batches: whenever it is free, the requests that have arrived "
+                  f"(at most {b}) run as one left-padded `model.generate` call while later ones wait; accel runs "
+                  "use `accel.Engine`, `hf_generate_batch` transformers' continuous-batching manager.", ""]
+        lines += _batched_table(configs, reference, True, gpu)
+        skipped = [c for c in configs_meta if c["name"] not in configs and "serves" in c]
+        if skipped:
+            lines += ["", "Not run: " + "; ".join(f"`{c['name']}` ({c['serve_note'] or 'no service form'})"
+                                                   for c in skipped)]
+        lines.append("")
+    return lines
 
 
 # --------------------------------------------------------------------------- plots
@@ -313,14 +477,44 @@ def _plot_accepted(rows: list[dict[str, Any]], out: Path) -> Path | None:
     return path
 
 
+def _plot_batch(rows: list[dict[str, Any]], reference: str, out: Path) -> Path | None:
+    table = aggregate_calls(rows, reference, "batch")
+    tasks = _ordered([task for task, _ in table])
+    if not tasks:
+        return None
+    fig, axes = _figure(len(tasks))
+    for ax, task in zip(axes, tasks):
+        sizes = sorted(b for t, b in table if t == task)
+        for config in _ordered([c for (t, _), cs in table.items() if t == task for c in cs]):
+            pts = [(b, table[(task, b)][config]["tok_s"]) for b in sizes
+                   if config in table[(task, b)] and table[(task, b)][config]["tok_s"]]
+            if pts:
+                ax.plot([b for b, _ in pts], [y for _, y in pts], marker="o",
+                        label=config + (" (ref)" if config == reference else ""))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_title(task)
+        ax.set_xlabel("batch size (rows per call)")
+        ax.set_ylabel("aggregate tok/s (all rows)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize="small")
+    path = out / "throughput_vs_batch.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def write_plots(rows: list[dict[str, Any]], reference: str, out: Path) -> list[Path]:
     """Write every plot the rows allow; returns their paths."""
     paths = []
-    p = _plot_speedup(rows, reference, out)
+    single = _single(rows)
+    p = _plot_speedup(single, reference, out)
     if p is not None:
         paths.append(p)
-    paths += _plot_needles(rows, out)
-    p = _plot_accepted(rows, out)
+    paths += _plot_needles(single, out)
+    p = _plot_accepted(single, out)
+    if p is not None:
+        paths.append(p)
+    p = _plot_batch(rows, reference, out)
     if p is not None:
         paths.append(p)
     return paths

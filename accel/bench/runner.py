@@ -21,11 +21,22 @@ What is measured (all wall-clock, ``time.perf_counter``, under ``torch.inference
 Order: one untimed warm-up per configuration on the first item, then for each repeat r and
 item i every configuration once, in the configuration order rotated by ``r + i`` so slow
 drift of a shared machine spreads over all configurations.
+
+Batched grid (``batch_sizes`` other than ``[1]``, :func:`run_batched_grid`): for each task and
+batch size B the task's items form groups of B (:func:`make_groups`); for each repeat r and
+group g every configuration that takes B rows runs the group once (one batched call, see
+:mod:`.batched`), in the order rotated by ``r + g``. One results row per (group,
+configuration, repeat), with the call's aggregate figures and a ``rows`` list of per-row
+figures; exactness and agreement per row are against the reference's row in the same group.
+
+Arrivals (:func:`run_arrivals`): per repeat, every configuration with a service form serves
+the same requests at the same times, rotated by the repeat; one results row each.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
@@ -39,10 +50,21 @@ import torch
 from .. import adapter
 from ..cpu import is_prepacked
 from ..strategy import Strategy, build_strategies
-from .schema import Experiment, HFAssisted, HFGenerate, HFPromptLookup, KVPressSnapKV
+from . import batched as bt
+from .batched import BatchMeasurement, cut_at_eos, percentile, sync_device
+from .schema import Arrivals, Experiment, HFAssisted, HFGenerate, HFGenerateBatch, HFPromptLookup, KVPressSnapKV
 from .tasks import TaskItem, score
 
-__all__ = ["Configuration", "Measurement", "build_configurations", "run_grid", "PeakMemory"]
+__all__ = [
+    "Configuration",
+    "Measurement",
+    "build_configurations",
+    "run_grid",
+    "run_batched_grid",
+    "run_arrivals",
+    "make_groups",
+    "PeakMemory",
+]
 
 
 @dataclass
@@ -73,7 +95,12 @@ class Measurement:
 
 @dataclass
 class Configuration:
-    """A named way to generate: an HF baseline or an accel run."""
+    """A named way to generate: an HF baseline or an accel run.
+
+    ``generate`` runs one item; ``batch`` a list of items in one call (at most ``max_batch``
+    of them, None: any number; ``batch_note`` says why not more); ``serve`` requests arriving
+    over time (``serve_note``: why it has none).
+    """
 
     name: str
     kind: str  # "baseline" | "run"
@@ -81,6 +108,16 @@ class Configuration:
     drafts: bool
     generate: Callable[[TaskItem, int], Measurement] | None
     unavailable: str | None = None  # why it cannot run here, or None
+    batch: Callable[[list[TaskItem], int], BatchMeasurement] | None = None
+    max_batch: int | None = None
+    batch_note: str | None = None
+    serve: Callable[[list[TaskItem], Arrivals, int], BatchMeasurement] | None = None
+    serve_note: str | None = None
+
+    def takes(self, batch_size: int) -> bool:
+        """Whether a batched call of ``batch_size`` rows runs here."""
+        return (self.unavailable is None and self.batch is not None
+                and (self.max_batch is None or batch_size <= self.max_batch))
 
 
 # --------------------------------------------------------------------------- memory
@@ -150,56 +187,21 @@ class PeakMemory:
 # --------------------------------------------------------------------------- configurations
 
 
-class _FirstTokenTimer:
-    """A transformers streamer that timestamps each chunk of new tokens.
-
-    ``model.generate`` puts the prompt first, then the new tokens chunk by chunk (one token
-    per step for greedy decoding, accepted drafts + 1 per step for assisted decoding).
-    """
-
-    def __init__(self) -> None:
-        self.t0 = 0.0
-        self.chunks: list[tuple[float, int]] = []  # (time since t0, tokens in chunk)
-        self._prompt_seen = False
-
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self._prompt_seen:
-            self._prompt_seen = True
-            return
-        self.chunks.append((time.perf_counter() - self.t0, int(value.numel())))
-
-    def end(self) -> None:
-        pass
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _hf_generate(model: Any, eos: list[int], pad: int, extra: dict[str, Any]) -> Callable[[TaskItem, int], Measurement]:
     geo = adapter.geometry(model)
 
     def run(item: TaskItem, max_new_tokens: int) -> Measurement:
         ids = item.input_ids.to(geo.device)
-        timer = _FirstTokenTimer()
-        _sync(geo.device)
+        timer = bt.ChunkTimer()  # one token per step for greedy, accepted drafts + 1 for prompt lookup
+        sync_device(geo.device)
         timer.start()
         out = model.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
             eos_token_id=eos or None, pad_token_id=pad, streamer=timer, **extra,
         )
-        _sync(geo.device)
+        sync_device(geo.device)
         e2e = time.perf_counter() - timer.t0
-        new = out[0, ids.shape[1]:].tolist()
-        if eos and new:  # model.generate pads finished rows; cut after the first eos
-            for k, t in enumerate(new):
-                if t in eos:
-                    new = new[: k + 1]
-                    break
+        new = cut_at_eos(out[0, ids.shape[1]:].tolist(), eos)
         first_t, first_n = timer.chunks[0] if timer.chunks else (e2e, len(new))
         later = timer.chunks[1:]
         entries = ids.shape[1] + max(len(new) - 1, 0)
@@ -266,11 +268,11 @@ def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft
 
     def run(item: TaskItem, max_new_tokens: int) -> Measurement:
         ids = item.input_ids.to(geo.device)
-        _sync(geo.device)
+        sync_device(geo.device)
         t0 = time.perf_counter()
         result = accel.generate(model, ids, strategies=strategies, max_new_tokens=max_new_tokens,
                                 eos_token_id=eos, max_draft_tokens=max_draft)
-        _sync(geo.device)
+        sync_device(geo.device)
         e2e = time.perf_counter() - t0
         st = result.stats
         return Measurement(
@@ -292,6 +294,42 @@ def _spec_text(strategies: list[Strategy]) -> str:
     return " + ".join(parts)
 
 
+def _one_row(generate: Callable[[TaskItem, int], Measurement]) -> Callable[[list[TaskItem], int], BatchMeasurement]:
+    """A one-item ``generate`` as a batched call of one row."""
+
+    def run(items: list[TaskItem], max_new_tokens: int) -> BatchMeasurement:
+        (item,) = items
+        m = generate(item, max_new_tokens)
+        row = bt.RowResult(new_ids=m.new_ids, first_token_s=m.prefill_s, latency_s=m.e2e_s,
+                           kv_bytes_kept=m.kv_bytes_kept, kv_bytes_full=m.kv_bytes_full,
+                           verify_steps=m.verify_steps, accepted_per_step=m.accepted_per_step)
+        return BatchMeasurement(rows=[row], e2e_s=m.e2e_s, prefill_s=m.prefill_s, decode_s=m.decode_s,
+                                decode_tokens=m.decode_tokens)
+
+    return run
+
+
+def _single(batch: Callable[[list[TaskItem], int], BatchMeasurement]) -> Callable[[TaskItem, int], Measurement]:
+    """A batched call as a one-item ``generate``."""
+
+    def run(item: TaskItem, max_new_tokens: int) -> Measurement:
+        m = batch([item], max_new_tokens)
+        (row,) = m.rows
+        if row.error:
+            raise RuntimeError(row.error)
+        first = row.first_token_s if row.first_token_s is not None else m.e2e_s
+        return Measurement(
+            new_ids=row.new_ids, prefill_s=first, decode_s=m.e2e_s - first, e2e_s=m.e2e_s,
+            decode_tokens=max(len(row.new_ids) - 1, 0), verify_steps=row.verify_steps,
+            accepted_per_step=row.accepted_per_step, kv_bytes_full=row.kv_bytes_full, kv_bytes_kept=row.kv_bytes_kept,
+        )
+
+    return run
+
+
+_NO_SERVICE = "no service form: it runs one call at a time"
+
+
 def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> list[Configuration]:
     """Baselines first, then runs, in file order."""
     eos = adapter.default_eos(model, tokenizer)
@@ -300,32 +338,53 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
         pad = getattr(model.generation_config, "pad_token_id", None)
     if pad is None:
         pad = eos[0] if eos else 0
+    max_draft = experiment.generation.max_draft_tokens
     configs = []
     for b in experiment.baselines:
         if isinstance(b, HFGenerate):
-            configs.append(Configuration(b.name, "baseline", "model.generate(do_sample=False)", False,
-                                         _hf_generate(model, eos, pad, {})))
+            configs.append(Configuration(
+                b.name, "baseline", "model.generate(do_sample=False); batched: left padding + attention mask; "
+                "arrivals: static batches", False, _hf_generate(model, eos, pad, {}),
+                batch=bt.hf_generate_batched(model, eos, pad), serve=bt.hf_static_batches(model, eos, pad)))
         elif isinstance(b, HFPromptLookup):
             extra = {"prompt_lookup_num_tokens": b.num_tokens, "max_matching_ngram_size": b.max_ngram}
+            fn = _hf_generate(model, eos, pad, extra)
             configs.append(Configuration(
                 b.name, "baseline",
                 f"model.generate(do_sample=False, prompt_lookup_num_tokens={b.num_tokens}, "
-                f"max_matching_ngram_size={b.max_ngram})", True, _hf_generate(model, eos, pad, extra)))
+                f"max_matching_ngram_size={b.max_ngram})", True, fn, batch=_one_row(fn), max_batch=1,
+                batch_note="transformers' assisted generation takes one row per call", serve_note=_NO_SERVICE))
+        elif isinstance(b, HFGenerateBatch):
+            impl, why = bt.cb_probe(model, eos, pad, b)
+            batch = bt.cb_batch(model, eos, pad, b)
+            configs.append(Configuration(
+                b.name, "baseline", f"transformers continuous batching (model.generate_batch; arrivals: "
+                f"init_continuous_batching + add_request), attention {impl or 'none'}, page_size {b.page_size}, "
+                f"max_batch_tokens {b.max_batch_tokens}", False, _single(batch), why,
+                batch=batch, serve=bt.cb_arrivals(model, eos, pad, b)))
         elif isinstance(b, HFAssisted):
             fn, why = _hf_assisted(model, eos, pad, b)
             configs.append(Configuration(
                 b.name, "baseline", f"model.generate(do_sample=False, assistant_model={b.model}, "
                 f"num_assistant_tokens={b.num_tokens}, num_assistant_tokens_schedule={b.schedule}, "
-                f"assistant_confidence_threshold={b.confidence_threshold})", True, fn, why))
+                f"assistant_confidence_threshold={b.confidence_threshold})", True, fn, why,
+                batch=_one_row(fn) if fn is not None else None, max_batch=1,
+                batch_note="transformers' assisted generation takes one row per call", serve_note=_NO_SERVICE))
         elif isinstance(b, KVPressSnapKV):
             fn, why = _kvpress(model, eos, pad, b)
             configs.append(Configuration(
                 b.name, "baseline", f"kvpress SnapKVPress(budget={b.budget}, window_size={b.window}, "
-                f"kernel_size={b.kernel}) + model.generate", False, fn, why))
+                f"kernel_size={b.kernel}) + model.generate", False, fn, why,
+                batch=_one_row(fn) if fn is not None else None, max_batch=1,
+                batch_note="run one row per call here (the press scores every row's padded prompt)",
+                serve_note=_NO_SERVICE))
     for name, specs in experiment.runs.items():
         strategies = build_strategies(specs)
-        configs.append(Configuration(name, "run", _spec_text(strategies), any(s.drafts for s in strategies),
-                                     _accel_run(model, strategies, eos, experiment.generation.max_draft_tokens)))
+        configs.append(Configuration(
+            name, "run", _spec_text(strategies), any(s.drafts for s in strategies),
+            _accel_run(model, strategies, eos, max_draft),
+            batch=bt.accel_batched(model, strategies, eos, pad, max_draft),
+            serve=bt.accel_arrivals(model, strategies, eos, max_draft)))
     return configs
 
 
@@ -451,6 +510,241 @@ def _measured(m: Measurement, mem: PeakMemory, device: torch.device, tokenizer: 
         "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
         "correct": correct, "score": sc, "text": text,
     }
+
+
+# --------------------------------------------------------------------------- batched grid
+
+
+@dataclass
+class Group:
+    """B items of one task that run as one batched call."""
+
+    task: str
+    kind: str
+    batch_size: int
+    index: int  # within (task, batch size)
+    items: list[TaskItem]
+
+
+def make_groups(items: list[TaskItem], batch_sizes: list[int]) -> list[Group]:
+    """For each task (file order) and batch size (as listed): the task's N items in
+    ``ceil(N / B)`` groups of B consecutive items, cycling through the task's items to fill the
+    last group (so a task with fewer than B items makes one group, its items repeated)."""
+    groups = []
+    for task in dict.fromkeys(i.task for i in items):
+        its = [i for i in items if i.task == task]
+        for b in batch_sizes:
+            for g in range(math.ceil(len(its) / b)):
+                groups.append(Group(task, its[0].kind, b, g, [its[(g * b + j) % len(its)] for j in range(b)]))
+    return groups
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def _batch_row(experiment: Experiment, c: Configuration, task: str, kind: str, batch_size: int, group: int,
+               items: list[TaskItem], repeat: int, mode: str) -> dict[str, Any]:
+    return {
+        "experiment": experiment.name, "mode": mode, "config": c.name, "config_kind": c.kind, "strategies": c.spec,
+        "drafts": c.drafts, "task": task, "kind": kind, "batch_size": batch_size, "group": group,
+        "items": [i.item_id for i in items], "repeat": repeat, "prompt_tokens": sum(i.prompt_tokens for i in items),
+        "new_tokens": None, "e2e_s": None, "tok_s": None, "prefill_s": None, "decode_s": None, "decode_tokens": None,
+        "decode_tok_s": None, "latency_mean_s": None, "latency_p50_s": None, "latency_p95_s": None,
+        "ttft_mean_s": None, "ttft_p50_s": None, "ttft_p95_s": None, "verify_steps": None, "mean_accepted": None,
+        "kv_bytes_kept": None, "kv_bytes_full": None, "peak_rss_mib": None, "peak_gpu_mib": None,
+        "overhead_s": None, "failures": None, "exact_rows": None, "compared_rows": None, "agreement": None,
+        "rows": [], "error": None,
+    }
+
+
+def _mean_of(xs: list[float | None]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return sum(xs) / len(xs) if xs else None
+
+
+def _batch_measured(m: BatchMeasurement, mem: PeakMemory, device: torch.device, tokenizer: Any,
+                    items: list[TaskItem]) -> dict[str, Any]:
+    per = []
+    for item, r in zip(items, m.rows):
+        text = tokenizer.decode(r.new_ids, skip_special_tokens=True)
+        correct, sc = score(item, text) if r.error is None else (None, None)
+        steps = r.verify_steps
+        per.append({
+            "item": item.item_id, "prompt_tokens": item.prompt_tokens, "new_tokens": len(r.new_ids),
+            "first_token_s": r.first_token_s, "latency_s": r.latency_s, "verify_steps": steps,
+            "mean_accepted": (sum(r.accepted_per_step) + steps) / steps if steps else None,
+            "kv_bytes_kept": r.kv_bytes_kept, "kv_bytes_full": r.kv_bytes_full, "correct": correct, "score": sc,
+            "exact": None, "agreement": None, "text": text, "error": r.error,
+        })
+    ok = [p for p in per if p["error"] is None]
+    lat = [p["latency_s"] for p in ok]
+    ttft = [p["first_token_s"] for p in ok]
+    steps = sum(r.verify_steps for r in m.rows)
+    accepted = sum(sum(r.accepted_per_step) for r in m.rows)
+    return {
+        "new_tokens": m.new_tokens, "e2e_s": m.e2e_s, "tok_s": m.new_tokens / m.e2e_s if m.e2e_s > 0 else None,
+        "prefill_s": m.prefill_s, "decode_s": m.decode_s, "decode_tokens": m.decode_tokens,
+        "decode_tok_s": m.decode_tokens / m.decode_s if m.decode_s and m.decode_tokens else None,
+        "latency_mean_s": _mean_of(lat), "latency_p50_s": percentile(lat, 50), "latency_p95_s": percentile(lat, 95),
+        "ttft_mean_s": _mean_of(ttft), "ttft_p50_s": percentile(ttft, 50), "ttft_p95_s": percentile(ttft, 95),
+        "verify_steps": steps, "mean_accepted": (accepted + steps) / steps if steps else None,
+        "kv_bytes_kept": sum(r.kv_bytes_kept for r in m.rows), "kv_bytes_full": sum(r.kv_bytes_full for r in m.rows),
+        "peak_rss_mib": mem.peak_mib,
+        "peak_gpu_mib": torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None,
+        "overhead_s": m.overhead_s, "failures": len(per) - len(ok), "rows": per,
+    }
+
+
+def _compare_rows(group: dict[str, dict[str, Any]], reference: str) -> None:
+    """Per-row exactness and agreement against the reference's row at the same position."""
+    ref = group.get(reference)
+    if ref is None or ref["error"] or not ref["rows"]:
+        return
+    for row in group.values():
+        if row["error"] or not row["rows"]:
+            continue
+        compared = []
+        for mine, theirs in zip(row["rows"], ref["rows"]):
+            if mine["error"] or theirs["error"]:
+                continue
+            mine["exact"] = mine["_ids"] == theirs["_ids"]
+            mine["agreement"] = _agreement(mine["_ids"], theirs["_ids"])
+            compared.append(mine)
+        row["exact_rows"] = sum(r["exact"] for r in compared)
+        row["compared_rows"] = len(compared)
+        row["agreement"] = _mean_of([r["agreement"] for r in compared])
+
+
+def _timed_batch(call: Callable[[], BatchMeasurement], row: dict[str, Any], device: torch.device, tokenizer: Any,
+                 items: list[TaskItem]) -> None:
+    """Run ``call`` under PeakMemory and fill ``row`` (or its error)."""
+    try:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        with PeakMemory() as mem:
+            m = call()
+        row.update(_batch_measured(m, mem, device, tokenizer, items))
+        for r, result in zip(row["rows"], m.rows):
+            r["_ids"] = result.new_ids  # for the comparison; not written
+    except Exception as err:  # record and go on
+        row["error"] = _error(err)
+
+
+def _write_group(out: Any, configs: list[Configuration], group: dict[str, dict[str, Any]], reference: str,
+                 rows: list[dict[str, Any]]) -> None:
+    _compare_rows(group, reference)
+    for c in configs:  # file order, whatever the rotation
+        if c.name in group:
+            row = group[c.name]
+            for r in row["rows"]:
+                r.pop("_ids", None)
+            out.write(json.dumps(row) + "\n")
+            rows.append(row)
+    out.flush()
+
+
+def _cycled(items: list[TaskItem], n: int) -> list[TaskItem]:
+    return [items[k % len(items)] for k in range(n)]
+
+
+def run_batched_grid(
+    experiment: Experiment,
+    model: Any,
+    tokenizer: Any,
+    configs: list[Configuration],
+    items: list[TaskItem],
+    results_path: Path,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
+    """Warm up, run every group with every configuration that takes its batch size, in
+    rotated order; append one row per (group, configuration, repeat) to ``results_path``."""
+    gen = experiment.generation
+    device = adapter.geometry(model).device
+    groups = make_groups(items, experiment.batch_sizes)
+    takers = {b: [c for c in configs if c.takes(b)] for b in experiment.batch_sizes}
+    warm = [c for c in configs if c.takes(1)] if experiment.warmup_tokens > 0 and items else []
+    total = len(warm) + experiment.repeats * sum(len(takers[g.batch_size]) for g in groups)
+    first = [i for i in items if i.task == items[0].task] if items else []
+    rows: list[dict[str, Any]] = []
+
+    with torch.inference_mode(), _progress(total, quiet) as step, open(results_path, "a", encoding="utf-8") as out:
+        for c in warm:  # a batch of two where it can, so batched code paths are warm too
+            step(f"warm-up {c.name}", 0)
+            try:
+                c.batch(_cycled(first, 2 if c.takes(2) else 1), min(experiment.warmup_tokens, gen.max_new_tokens))
+            except Exception:
+                pass  # the timed runs record the error
+            step(f"warm-up {c.name}", 1)
+
+        for r in range(experiment.repeats):
+            for gi, g in enumerate(groups):
+                runnable = takers[g.batch_size]
+                k = (r + gi) % len(runnable) if runnable else 0
+                group: dict[str, dict[str, Any]] = {}
+                for c in runnable[k:] + runnable[:k]:
+                    desc = f"r{r} {g.task} B={g.batch_size} #{g.index} {c.name}"
+                    step(desc, 0)
+                    row = _batch_row(experiment, c, g.task, g.kind, g.batch_size, g.index, g.items, r, "batch")
+                    _timed_batch(lambda: c.batch(g.items, gen.max_new_tokens), row, device, tokenizer, g.items)
+                    group[c.name] = row
+                    step(desc, 1)
+                _write_group(out, configs, group, experiment.reference, rows)
+    return rows
+
+
+def arrival_items(experiment: Experiment, items: list[TaskItem]) -> list[TaskItem]:
+    """The arrivals' requests: the task's items in order, cycled to ``arrivals.requests``."""
+    arrivals = experiment.arrivals
+    assert arrivals is not None
+    task = arrivals.task or experiment.task_name(0)
+    return _cycled([i for i in items if i.task == task], arrivals.requests)
+
+
+def run_arrivals(
+    experiment: Experiment,
+    model: Any,
+    tokenizer: Any,
+    configs: list[Configuration],
+    items: list[TaskItem],
+    results_path: Path,
+    quiet: bool = False,
+) -> list[dict[str, Any]]:
+    """Every configuration with a service form serves the same requests at the same times
+    (order rotated per repeat); one row each per repeat, appended to ``results_path``."""
+    arrivals = experiment.arrivals
+    assert arrivals is not None
+    gen = experiment.generation
+    device = adapter.geometry(model).device
+    requests = arrival_items(experiment, items)
+    servers = [c for c in configs if c.unavailable is None and c.serve is not None]
+    warm = servers if experiment.warmup_tokens > 0 else []
+    total = len(warm) + experiment.repeats * len(servers)
+    max_batch = arrivals.max_batch or arrivals.requests
+    rows: list[dict[str, Any]] = []
+
+    with torch.inference_mode(), _progress(total, quiet) as step, open(results_path, "a", encoding="utf-8") as out:
+        for c in warm:
+            step(f"warm-up {c.name} (arrivals)", 0)
+            try:
+                c.serve(requests[:2], Arrivals(requests=2, interval_s=0.0, max_batch=2),
+                        min(experiment.warmup_tokens, gen.max_new_tokens))
+            except Exception:
+                pass
+            step(f"warm-up {c.name} (arrivals)", 1)
+        for r in range(experiment.repeats):
+            k = r % len(servers) if servers else 0
+            group: dict[str, dict[str, Any]] = {}
+            for c in servers[k:] + servers[:k]:
+                desc = f"r{r} arrivals {len(requests)} x {arrivals.interval_s:g}s {c.name}"
+                step(desc, 0)
+                row = _batch_row(experiment, c, requests[0].task, requests[0].kind, max_batch, 0, requests, r, "arrivals")
+                row.update(requests=arrivals.requests, interval_s=arrivals.interval_s)
+                _timed_batch(lambda: c.serve(requests, arrivals, gen.max_new_tokens), row, device, tokenizer, requests)
+                group[c.name] = row
+                step(desc, 1)
+            _write_group(out, configs, group, experiment.reference, rows)
+    return rows
 
 
 def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:

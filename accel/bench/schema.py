@@ -29,7 +29,9 @@ __all__ = [
     "HFGenerate",
     "HFPromptLookup",
     "HFAssisted",
+    "HFGenerateBatch",
     "KVPressSnapKV",
+    "Arrivals",
     "BASELINE_NAMES",
     "load_config",
     "apply_overrides",
@@ -116,9 +118,28 @@ Task = Annotated[Union[NeedleTask, LongDocTask, ChatTask], Field(discriminator="
 
 
 class HFGenerate(_Model):
-    """``model.generate(ids, do_sample=False, max_new_tokens=...)``: plain greedy decoding."""
+    """``model.generate(ids, do_sample=False, max_new_tokens=...)``: plain greedy decoding.
+    Batched: one call on the batch, left-padded, with an attention mask. Arrivals: static
+    batching (the requests that have arrived, up to ``arrivals.max_batch``, run as one such
+    call while later arrivals wait for it to finish)."""
 
     name: Literal["hf_generate"] = "hf_generate"
+
+
+class HFGenerateBatch(_Model):
+    """transformers' continuous batching: ``model.generate_batch`` on a batch, and the manager
+    of ``model.init_continuous_batching`` (``add_request`` as requests arrive) for arrivals. A
+    paged KV cache sized to the workload; the model's attention implementation is restored
+    afterwards."""
+
+    name: Literal["hf_generate_batch"] = "hf_generate_batch"
+    max_batch_tokens: int = Field(2048, gt=0)
+    """``ContinuousBatchingConfig.max_batch_tokens``: tokens in one forward at most (longer
+    prefills are split). Without flash attention one forward attends over the concatenation
+    of every request in it (with a block mask), so on CPU a small value keeps several long
+    prompts out of one forward."""
+    page_size: int = Field(256, ge=4)
+    """``ContinuousBatchingConfig.page_size``: tokens per cache page."""
 
 
 class HFPromptLookup(_Model):
@@ -162,8 +183,9 @@ class KVPressSnapKV(_Model):
     """kvpress ``kernel_size``."""
 
 
-Baseline = Annotated[Union[HFGenerate, HFPromptLookup, HFAssisted, KVPressSnapKV], Field(discriminator="name")]
-BASELINE_NAMES = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "kvpress_snapkv")
+Baseline = Annotated[Union[HFGenerate, HFPromptLookup, HFAssisted, HFGenerateBatch, KVPressSnapKV],
+                     Field(discriminator="name")]
+BASELINE_NAMES = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_generate_batch", "kvpress_snapkv")
 
 
 # --------------------------------------------------------------------------- experiment
@@ -179,6 +201,23 @@ class Generation(_Model):
     engine's; the measured cost table sizes each step, ``accel.engine.draft_budgets``)."""
     system: str | None = None
     """Optional system message for the chat template (default: the template's own)."""
+
+
+class Arrivals(_Model):
+    """Requests arriving over time: a client thread submits ``requests`` prompts of one task,
+    ``interval_s`` apart, to a service. accel runs: ``accel.Engine(max_batch=...)``;
+    ``hf_generate_batch``: the continuous-batching manager's ``add_request``; ``hf_generate``:
+    static batches (see :class:`HFGenerate`). Latency and time to first token count from each
+    request's submit; throughput is every token over first submit to last completion."""
+
+    requests: int = Field(16, gt=0)
+    """How many requests (the task's items in order, cycled if it has fewer)."""
+    interval_s: float = Field(0.25, ge=0)
+    """Seconds between consecutive submits (0: all at once)."""
+    max_batch: int | None = Field(None, gt=0)
+    """Requests decoded together at most (default: ``requests``)."""
+    task: str | None = None
+    """The task whose items are the requests (default: the first task)."""
 
 
 class Experiment(_Model):
@@ -215,6 +254,13 @@ class Experiment(_Model):
     """Generation settings."""
     repeats: int = Field(1, gt=0)
     """Timed passes over the whole grid."""
+    batch_sizes: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [1], min_length=1)
+    """Rows decoded together. ``[1]``: one item per call (the per-item grid). Otherwise, for
+    each size B, the items of each task are grouped into batches of B consecutive items (a
+    task's items cycled to fill the last batch, or a batch bigger than the task), and every
+    configuration runs each group in one batched call (B = 1 included)."""
+    arrivals: Arrivals | None = None
+    """Also run the requests-arriving-over-time scenario (None: not run)."""
     warmup_tokens: int = Field(16, ge=0)
     """Untimed warm-up of every configuration on the first item, generating this many tokens
     (0: no warm-up)."""
@@ -257,6 +303,10 @@ class Experiment(_Model):
         names = [t.name or t.kind for t in self.tasks]
         for n in sorted({n for n in names if names.count(n) > 1}):
             problems.append(f"tasks: two tasks are named {n!r}; give them distinct `name`s")
+        for b in sorted({b for b in self.batch_sizes if self.batch_sizes.count(b) > 1}):
+            problems.append(f"batch_sizes: {b} is listed twice")
+        if self.arrivals is not None and self.arrivals.task is not None and self.arrivals.task not in names:
+            problems.append(f"arrivals.task: {self.arrivals.task!r} is not a task (have: {', '.join(names)})")
         if self.reference not in self.configuration_names():
             problems.append(
                 f"reference: {self.reference!r} is neither a baseline nor a run "
@@ -273,6 +323,11 @@ class Experiment(_Model):
     def task_name(self, index: int) -> str:
         task = self.tasks[index]
         return task.name or task.kind
+
+    @property
+    def batched(self) -> bool:
+        """True when the grid runs batches (``batch_sizes`` other than ``[1]``)."""
+        return self.batch_sizes != [1]
 
 
 # --------------------------------------------------------------------------- loading
