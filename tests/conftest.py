@@ -4,7 +4,7 @@
 - ``default_model``: ``(model, tokenizer)`` of the real default model, SmolLM2-135M-Instruct,
   loaded once per session. Tests using it carry ``@pytest.mark.real_model``.
 
-Tests marked ``models`` (the packaged Qwen models, gigabytes and minutes to load) run only
+Tests marked ``models`` (the packaged Qwen and Gemma3 models, gigabytes and minutes to load) run only
 when selected by name: ``pytest -m models`` (``make test-models``); otherwise they are skipped.
 
 Calibration is off in tests (``ACCEL_CALIBRATION=off``) unless the environment sets it.

