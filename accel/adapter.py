@@ -619,6 +619,13 @@ def _grouped_mask(mask: torch.Tensor, b: int, q_len: int, kv_len: int, groups: i
     return grouped
 
 
+def loaded_attention(model: PreTrainedModel) -> str | None:
+    """The model's own attention implementation, also while :func:`packed_gqa_attention`
+    has switched it."""
+    entry = _switched.get(id(model.config))
+    return entry[1] if entry is not None else getattr(model.config, "_attn_implementation", None)
+
+
 def _switchable(impl: str) -> bool:
     """Attention implementations accel replaces by packed sdpa while it runs."""
     return impl == "sdpa" or "flash" in impl

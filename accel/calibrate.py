@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from . import timing
+from . import adapter, timing
 from .cost_model import CostTable, static_table
 
 __all__ = ["calibration_enabled", "calibration_key", "calibration_path", "cost_table", "load_table", "save_table"]
@@ -80,7 +80,8 @@ def calibration_key(model) -> dict[str, Any]:
     """What a table is measured for: model identity (class, attention implementation and the
     config fields that set its sizes), device (and GPU name), dtype, torch threads, machine."""
     cfg = model.config.get_text_config(decoder=True)
-    identity = {"class": type(model).__name__, "attn": getattr(model.config, "_attn_implementation", None)}
+    # the implementation the model was loaded with, also while accel runs it on packed sdpa
+    identity = {"class": type(model).__name__, "attn": adapter.loaded_attention(model)}
     for name in _CONFIG_FIELDS:
         value = getattr(cfg, name, None)
         if value is None:
