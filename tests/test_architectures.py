@@ -193,8 +193,11 @@ def heads_dir(tmp_path_factory):
     return str(folder)
 
 
-def _strategies(cell: str, heads: str) -> list:
+def _strategies(cell: str, heads: str, arch: str) -> list:
+    from speculative import DraftModel
+
     make = {
+        "draft_model": lambda: DraftModel(model=arch_model(arch, seed=1), num_tokens=4),
         "snapkv": lambda: SnapKV(budget=24, window=WINDOW, kernel=3),
         "ada_snapkv": lambda: AdaSnapKV(budget=24, window=WINDOW, kernel=3),
         "streaming_llm": lambda: StreamingLLM(sink=4, recent=20),
@@ -211,7 +214,7 @@ def run(arch: str, cell: str, heads: str):
     """accel.generate of ``arch`` with the strategies of ``cell`` ("a+b"; "" plain), memoised."""
     key = (arch, cell)
     if key not in _runs:
-        _runs[key] = accel.generate(arch_model(arch), prompt(), strategies=_strategies(cell, heads),
+        _runs[key] = accel.generate(arch_model(arch), prompt(), strategies=_strategies(cell, heads, arch),
                                     max_new_tokens=NEW_TOKENS, eos_token_id=[])
     return _runs[key]
 
@@ -227,6 +230,8 @@ CELLS = {
     "snapkv+medusa": "snapkv",
     "ada_snapkv+prompt_lookup": "ada_snapkv",
     "streaming_llm+prompt_lookup": "streaming_llm",
+    "draft_model": "",  # a random model of the same architecture drafts, on its own cache
+    "snapkv+draft_model": "snapkv",
 }
 
 def _cases(cells):
@@ -252,7 +257,7 @@ def test_cell_is_exact(arch, cell, heads_dir):
     assert res.sequences.shape == (1, 60 + NEW_TOKENS)
     if cell.split("+")[0] in ("snapkv", "ada_snapkv", "streaming_llm"):
         assert res.stats.kv_bytes_kept < res.stats.kv_bytes_full  # the prompt was compressed
-    if "prompt_lookup" in cell or "medusa" in cell:
+    if "prompt_lookup" in cell or "medusa" in cell or "draft_model" in cell:
         assert res.stats.drafted_tokens > 0
     reference = CELLS[cell]
     if reference is not None:
