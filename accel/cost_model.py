@@ -234,9 +234,17 @@ def _check_grid(name: str, grid, n_rows: int, n_cols: int) -> None:
 
 
 def _interp(xs: tuple[int, ...], ys: list[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys), linear past both ends; constant for one point."""
+    """Piecewise-linear through (xs, ys), linear past both ends; constant for one point.
+
+    Past the right end the slope is at least the chord's from the first to the last point:
+    a measured top segment that came out flat (noise, made non-decreasing) must not make
+    every larger pass look free."""
     if len(xs) == 1:
         return ys[0]
+    if x > xs[-1]:
+        chord = (ys[-1] - ys[0]) / (xs[-1] - xs[0])
+        last = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(chord, last) * (x - xs[-1])
     i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
     x0, x1 = xs[i], xs[i + 1]
     return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)

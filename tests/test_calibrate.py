@@ -342,3 +342,11 @@ def test_linear_kernels_switches_and_restores(start_packed):
         assert not is_prepacked(model)
         torch.testing.assert_close(model(ids).logits, packed, rtol=1e-4, atol=1e-5)
     assert dict(model.named_modules()) == before  # the very same modules are back
+
+
+def test_a_flat_measured_top_segment_does_not_make_bigger_passes_free():
+    flat_top = table([1, 16, 32, 64], [40.0, 130.0, 185.0, 185.0])
+    assert flat_top.step_ms(128, 256) > flat_top.step_ms(64, 256) * 1.5  # the chord's slope past the grid
+    # so sixteen rows at 30% acceptance are not given deep trees
+    k = allocate_drafts(flat_top, 256, [acceptance_gains(0.3, 16)] * 16, 16)
+    assert k == [0] * 16
