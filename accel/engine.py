@@ -89,10 +89,11 @@ class Stats:
     _SUMMED = ("prompt_tokens", "new_tokens", "prefill_s", "decode_s", "verify_steps", "drafted_tokens",
                "accepted_tokens", "decode_tokens", "kv_bytes_full", "kv_bytes_kept")
 
-    def merge(self, other: "Stats") -> None:
-        """Add ``other``'s counts (and seconds) to these."""
+    def merge(self, other: "Stats", seconds: bool = True) -> None:
+        """Add ``other``'s counts (and, with ``seconds``, its prefill / decode seconds) to these."""
         for name in self._SUMMED:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+            if seconds or not name.endswith("_s"):
+                setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_per_step.extend(other.accepted_per_step)
 
     def as_dict(self) -> dict[str, Any]:
@@ -213,10 +214,12 @@ def propose(plan: Plan, states: list[Any], ctx: DraftContext) -> tuple[DraftTree
     return DraftTree.from_proposal(root, merged.proposal), merged.source
 
 
-def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype) -> torch.Tensor:
+def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype,
+           groups: int | None = None) -> torch.Tensor:
     """One forward pass over every row's [root + draft nodes] on top of the cache.
 
     trees: one DraftTree per cache row (a single tree for a one-row cache).
+    groups: query heads per KV head (default: read from the model).
     Returns final hidden states [B, T, H] (T the largest tree; a single tree: [N+1, H]);
     the new entries stay uncommitted.
     """
@@ -242,7 +245,8 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
             positions[b, :m] = tree.depth + logical[b]
             positions[b, m:] = logical[b]
             visible[b, :m, :m] = tree.ancestor_mask
-    mask = cache.prepare_step(positions, visible, dtype, adapter.query_groups(model))
+    groups = groups if groups is not None else adapter.query_groups(model)
+    mask = cache.prepare_step(positions, visible, dtype, groups)
     hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
     with hook:
         hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
@@ -371,6 +375,7 @@ class Batch:
         self.model = model
         self.costs = costs
         self.geo = adapter.geometry(model)
+        self.groups = self.geo.num_heads // self.geo.num_kv_heads
         self.windows = adapter.layer_windows(model)
         self.max_draft = max_draft
         self.cache = SharedCache(self.geo.num_layers, self.windows)
@@ -429,7 +434,7 @@ class Batch:
             draft_s.append(time.perf_counter() - t)
             trees.append(tree)
             sources.append(source)
-        hidden = verify(self.model, self.cache, trees, self.geo.dtype)  # [B, T, H]
+        hidden = verify(self.model, self.cache, trees, self.geo.dtype, self.groups)  # [B, T, H]
         counts = [tree.num_nodes for tree in trees]
         if all(c == hidden.shape[1] for c in counts):
             flat = hidden.reshape(-1, hidden.shape[-1])
@@ -452,9 +457,10 @@ class Batch:
                 row.finish_reason = "error"
                 out.append([])
                 continue
-            new = row.emit(acc.emitted(tree))
+            emitted = acc.emitted(tree)
+            new = row.emit(emitted)
             out.append(new)
-            row.tokens = torch.cat([row.tokens, row.tokens.new_tensor(acc.emitted(tree))])
+            row.tokens = torch.cat([row.tokens, row.tokens.new_tensor(emitted)])
             s = row.stats
             s.decode_s += elapsed
             s.decode_tokens += len(new)
@@ -542,11 +548,7 @@ def run_batch(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT)
         pass
     total.decode_s = time.perf_counter() - t1
     for r in rows:
-        s = r.stats
-        for name in ("prompt_tokens", "new_tokens", "verify_steps", "drafted_tokens", "accepted_tokens",
-                     "decode_tokens", "kv_bytes_full", "kv_bytes_kept"):
-            setattr(total, name, getattr(total, name) + getattr(s, name))
-        total.accepted_per_step.extend(s.accepted_per_step)
+        total.merge(r.stats, seconds=False)  # the call's seconds are wall-clock, not summed
     return total
 
 
