@@ -66,6 +66,11 @@ class SharedCache(TransformersCache):
         super().__init__(num_layers)
         self.num_layers = num_layers
         self.windows: list[int | None] = list(windows) if windows is not None else [None] * num_layers
+        # attention sees each layer's entries padded (masked) to a multiple of this many columns:
+        # CPU attention kernels sum the last, partial block of keys in another order than full
+        # ones, so a row's result would depend on how many entries other tokens added
+        # (accel.invariance sets it for low-precision batches; 1: exactly the entries)
+        self.kv_align = 1
         if len(self.windows) != num_layers:
             raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
         self._k: list[torch.Tensor | None] = [None] * num_layers  # [Bcap, H_kv, cap, D]
@@ -201,7 +206,9 @@ class SharedCache(TransformersCache):
         if bsz != self.batch_size:
             raise ValueError(f"the forward has {bsz} rows but the cache holds {self.batch_size}")
         base = self.physical_length(layer_idx)
-        self._reserve(layer_idx, bsz, base + t, keys)
+        end = base + t
+        span = -(-end // self.kv_align) * self.kv_align  # columns attention sees (past the end: masked)
+        self._reserve(layer_idx, bsz, span, keys)
         self._k[layer_idx][:bsz, :, base : base + t] = keys
         self._v[layer_idx][:bsz, :, base : base + t] = values
         if self._pos[layer_idx] is not None and self._step_positions is not None:
@@ -209,8 +216,7 @@ class SharedCache(TransformersCache):
         if not self._pending[layer_idx]:
             self._base[layer_idx] = base
         self._pending[layer_idx] += t
-        end = base + t
-        return self._k[layer_idx][:bsz, :, :end], self._v[layer_idx][:bsz, :, :end]
+        return self._k[layer_idx][:bsz, :, :span], self._v[layer_idx][:bsz, :, :span]
 
     # ------------------------------------------------------------------ prefill
 
@@ -291,7 +297,7 @@ class SharedCache(TransformersCache):
         """
         bsz, t = positions.shape
         self._step_positions = positions
-        if t == 1 and not self.ragged and len(set(self._len[0])) <= 1 and not any(self._pending):
+        if t == 1 and self.kv_align == 1 and not self.ragged and len(set(self._len[0])) <= 1 and not any(self._pending):
             self._masks = [None] * self.num_layers
             return None
         device = positions.device
@@ -328,7 +334,11 @@ class SharedCache(TransformersCache):
                     new = new & gap.unsqueeze(1)
                 heads = seen.shape[1]
                 seen = seen.expand(bsz, heads, t, past)
-                allowed = torch.cat([seen, new.expand(bsz, heads, t, t)], dim=-1)
+                parts = [seen, new.expand(bsz, heads, t, t)]
+                extra = -(-(past + t) // self.kv_align) * self.kv_align - (past + t)
+                if extra:  # the columns :meth:`_store` shows past the end to keep lengths aligned
+                    parts.append(torch.zeros((bsz, heads, t, extra), dtype=torch.bool, device=device))
+                allowed = torch.cat(parts, dim=-1)
                 mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, low)
                 memo[key] = mask
             masks.append(mask)

@@ -13,8 +13,10 @@ def _generate(args: argparse.Namespace) -> int:
     import accel
     from accel.models import chat_ids, load_model
 
+    import torch
+
     strategies = accel.build_strategies(args.strategy)  # validate before loading the model
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if args.raw:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
@@ -121,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
+    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="weights and KV cache dtype (greedy drafting stays exact in each; see accel.invariance)")
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run a YAML-configured speed-up experiment")

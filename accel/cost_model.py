@@ -166,6 +166,7 @@ def allocate_drafts(
     gains: list[list[float]],
     max_per_row: int,
     drafter_ms: list[float] | None = None,
+    min_nodes: int = 1,
 ) -> list[int]:
     """How many draft tokens each row of a batch should verify in this step.
 
@@ -182,7 +183,9 @@ def allocate_drafts(
     except rows whose expected gain does not pay for their drafter's own cost; it returns
     the allocation with the most expected tokens per millisecond,
     ``(B + sum of the chosen gains) / (step_ms(B * (m + 1)) + drafter ms of drafting rows)``.
-    Rows may get 0, and m = 0 (plain decoding) wins whenever drafting does not pay. The
+    Rows may get 0, and m = 0 (plain decoding) wins whenever drafting does not pay.
+    ``min_nodes``: every row's tree is padded to a multiple of this many query tokens anyway
+    (the padding of :mod:`accel.invariance`), so drafts that fill the padding cost nothing. The
     costs come from ``table``, measured on this machine by :mod:`accel.calibrate`, not
     from constants.
     """
@@ -200,12 +203,14 @@ def allocate_drafts(
         for i in range(caps[b]):
             prefix[b].append(prefix[b][-1] + float(gains[b][i]))
     deepest = max(caps)
-    cost = table.curve(cache_len, rows * (deepest + 1))
-    best_ratio, best = rows / cost[rows], [0] * rows
+    if min_nodes < 1:
+        raise ValueError(f"min_nodes must be >= 1, got {min_nodes}")
+    cost = table.curve(cache_len, rows * -(-(deepest + 1) // min_nodes) * min_nodes)
+    best_ratio, best = rows / cost[rows * min_nodes], [0] * rows
     for m in range(1, deepest + 1):
         take = [b for b in range(rows) if caps[b] > 0 and prefix[b][min(m, caps[b])] > 0]
         while take:
-            width = min(m, max(caps[b] for b in take)) + 1
+            width = -(-(min(m, max(caps[b] for b in take)) + 1) // min_nodes) * min_nodes
             value = rows + sum(prefix[b][min(m, caps[b])] for b in take)
             ratio = value / (cost[rows * width] + sum(fixed[b] for b in take))
             keep = [b for b in take if prefix[b][min(m, caps[b])] >= ratio * fixed[b]]

@@ -18,14 +18,14 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import adapter, calibrate
+from . import adapter, calibrate, invariance
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
 from .cost_model import CostTable, acceptance_gains, allocate_drafts
 from .strategy import DraftContext, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
-__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "propose", "verify", "accept", "commit",
+__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "propose", "verify", "verify_logits", "accept", "commit",
            "decode", "draft_budgets", "batch_steps", "run_batch"]
 
 # No fixed draft limit by default: the measured cost table sizes each step's drafts.
@@ -39,7 +39,8 @@ Warp = Callable[[torch.Tensor], torch.Tensor]
 MAX_DRAFT_PER_ROW = 16
 
 
-def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_per_row: int) -> list[int]:
+def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_per_row: int,
+                  min_nodes: int = 1) -> list[int]:
     """Draft nodes each row may verify this step, from the measured cost of a padded verify
     pass (``table``, see :func:`accel.cost_model.allocate_drafts`) and each row's running
     acceptance rate and drafting time: as the batch grows, a deeper tree costs every row,
@@ -47,7 +48,7 @@ def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_p
     gains = [acceptance_gains(r.acceptance_rate, max_per_row) if r.plan.drafters else [] for r in rows]
     # the static table (calibration off) is a shape in units of one step, not milliseconds
     drafter_ms = [r.draft_ms for r in rows] if table.measured else None
-    return allocate_drafts(table, cache_len, gains, max_per_row, drafter_ms=drafter_ms)
+    return allocate_drafts(table, cache_len, gains, max_per_row, drafter_ms=drafter_ms, min_nodes=min_nodes)
 
 
 @dataclass
@@ -72,6 +73,9 @@ class Stats:
     first_token_s: float = 0.0
     latency_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)  # accepted drafts, per step
+    # False where low-precision verification could not be made batch-invariant on this
+    # machine (accel.invariance): greedy drafting may then differ from plain decoding
+    exact_verify: bool = True
 
     @property
     def mean_accepted(self) -> float:
@@ -95,6 +99,7 @@ class Stats:
             if seconds or not name.endswith("_s"):
                 setattr(self, name, getattr(self, name) + getattr(other, name))
         self.accepted_per_step.extend(other.accepted_per_step)
+        self.exact_verify = self.exact_verify and other.exact_verify
 
     def as_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items() if k != "accepted_per_step"}
@@ -106,7 +111,7 @@ class Stats:
             f"prompt {self.prompt_tokens} tok | new {self.new_tokens} tok | prefill {self.prefill_s:.2f}s | "
             f"decode {self.decode_s:.2f}s ({self.decode_tokens_per_s:.1f} tok/s) | steps {self.verify_steps} | "
             f"accepted/step {self.mean_accepted:.2f} | KV {self.kv_bytes_kept / 2**20:.1f}/"
-            f"{self.kv_bytes_full / 2**20:.1f} MiB"
+            f"{self.kv_bytes_full / 2**20:.1f} MiB" + ("" if self.exact_verify else " | approximate verify")
         )
 
 
@@ -215,18 +220,23 @@ def propose(plan: Plan, states: list[Any], ctx: DraftContext) -> tuple[DraftTree
 
 
 def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype,
-           groups: int | None = None) -> torch.Tensor:
+           groups: int | None = None, min_nodes: int = 1) -> torch.Tensor:
     """One forward pass over every row's [root + draft nodes] on top of the cache.
 
     trees: one DraftTree per cache row (a single tree for a one-row cache).
     groups: query heads per KV head (default: read from the model).
-    Returns final hidden states [B, T, H] (T the largest tree; a single tree: [N+1, H]);
-    the new entries stay uncommitted.
+    min_nodes: pad every row to a multiple of this many query tokens (padding sees only
+        itself and is dropped at commit). Low-precision kernels pick their arithmetic by the
+        number of rows they get (and a row's by where it falls in their tiles), so
+        :mod:`accel.invariance` measures the multiple that makes a plain step compute each
+        row exactly as a tree does.
+    Returns final hidden states [B, T, H] (T the largest tree rounded up to ``min_nodes``; a
+    single tree: [N+1, H]); the new entries stay uncommitted.
     """
     single = isinstance(trees, DraftTree)
     trees = [trees] if single else list(trees)
     device = trees[0].tokens.device
-    t = max(tree.num_nodes for tree in trees)
+    t = -(-max(tree.num_nodes for tree in trees) // min_nodes) * min_nodes
     bsz = len(trees)
     # tokens appended since the last commit (a chain fed forward by forward) come first
     logical = [n + cache.pending_entries for n in cache.logical_lengths]
@@ -251,6 +261,25 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
     with hook:
         hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
     return hidden[0, : trees[0].num_nodes] if single else hidden
+
+
+def verify_logits(model, cache: SharedCache, trees: Sequence[DraftTree], dtype: torch.dtype,
+                  groups: int | None = None, min_nodes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for every row, then the output head over each row's real nodes.
+
+    Returns (hidden [B, T, H], float32 logits [sum_b N_b, V]: row b's nodes in order, rows
+    one after another). One call computes every row's logits in one pass of the output layer.
+    """
+    hidden = verify(model, cache, trees, dtype, groups, min_nodes)
+    counts = [tree.num_nodes for tree in trees]
+    if all(c == hidden.shape[1] for c in counts):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+    else:
+        flat = torch.cat([hidden[b, :c] for b, c in enumerate(counts)])
+    pad = -flat.shape[0] % min_nodes  # the output layer is a linear too: rows padded alike
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    return hidden, adapter.output_logits(model, flat)[: sum(counts)]
 
 
 def accept(tree: DraftTree, logits: torch.Tensor, warp: Warp | None, rule: Strategy | None,
@@ -380,7 +409,19 @@ class Batch:
         self.max_draft = max_draft
         self.cache = SharedCache(self.geo.num_layers, self.windows)
         self.cache.row_capacity = row_capacity
+        self.cache.kv_align = invariance.kv_align(model)
         self.rows: list[Row] = []
+        self._min_nodes: int | None = None
+        self.exact = True
+
+    @property
+    def min_nodes(self) -> int:
+        """Query tokens every row is padded to per step, so that each row's arithmetic is
+        the same whatever the trees around it (see :mod:`accel.invariance`; 1 in float32)."""
+        if self._min_nodes is None:
+            self._min_nodes = invariance.verify_rows(self.model)
+            self.exact = invariance.is_exact(self.model)
+        return self._min_nodes
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -414,7 +455,7 @@ class Batch:
         if self.costs is None:
             self.costs = calibrate.cost_table(self.model)
         cap = self.max_draft if self.max_draft is not None else MAX_DRAFT_PER_ROW
-        return draft_budgets(self.costs, self.cache.committed_length(0), self.rows, cap)
+        return draft_budgets(self.costs, self.cache.committed_length(0), self.rows, cap, self.min_nodes)
 
     def step(self) -> list[list[int]]:
         """One verify forward for every live row; returns each row's newly emitted tokens."""
@@ -434,13 +475,9 @@ class Batch:
             draft_s.append(time.perf_counter() - t)
             trees.append(tree)
             sources.append(source)
-        hidden = verify(self.model, self.cache, trees, self.geo.dtype, self.groups)  # [B, T, H]
+        hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
+                                       self.min_nodes)
         counts = [tree.num_nodes for tree in trees]
-        if all(c == hidden.shape[1] for c in counts):
-            flat = hidden.reshape(-1, hidden.shape[-1])
-        else:
-            flat = torch.cat([hidden[b, :c] for b, c in enumerate(counts)])
-        logits = adapter.output_logits(self.model, flat)  # [sum N_b + 1, V]
         greedy = [row.warp is None for row in rows]
         top = logits.argmax(dim=-1).tolist() if any(greedy) else None
         accs, out, start = [], [], 0
@@ -468,6 +505,7 @@ class Batch:
             s.drafted_tokens += tree.num_drafts
             s.accepted_tokens += acc.accepted
             s.accepted_per_step.append(acc.accepted)
+            s.exact_verify = s.exact_verify and self.exact
             if row.plan.drafters:
                 _feedback(row.plan, row.states, sources[b], acc)
                 row.observe(tree, acc, draft_s[b])

@@ -1,0 +1,191 @@
+"""Batch-invariant verification: each row's arithmetic independent of how many tokens are
+verified with it, so greedy speculative output equals plain decoding bit for bit.
+
+A verify pass scores a row's draft tree in one forward; plain decoding scores one token per
+forward. Both compute the same function, but CPU kernels choose their blocking, and so their
+order of summation, by the number of rows they get. In float32 the difference is a few ulps
+and never flipped a greedy token in our tests; in bfloat16 it is ~1e-2 in the logits, and
+greedy prompt lookup on the default model differed from plain bf16 decoding on 1 of 3 chat
+prompts (Intel Xeon Ice Lake, torch 2.13).
+
+Measured on that machine (``python -m accel.invariance``): a bfloat16 ``F.linear`` gives one
+result per row for 1, for 2-3 and for 4 or more rows; CPU flash attention one for 1-2 and
+one for 3 or more query rows. Past those counts a row's result no longer depends on the
+others, as long as the count is a multiple of the kernels' tile (a row in a partial tile
+goes through another micro-kernel). So plain steps need not run differently: they only need
+*rows in whole tiles*. A verify pass pads every row's tree to a multiple of ``r`` query
+tokens (padding sees only itself and is dropped at commit), the output layer gets a multiple
+of ``r`` rows, and attention sees the cache's columns padded (masked) to a multiple of
+:data:`KV_ALIGN`: the last, partial block of keys is summed in another order than full ones,
+so without it a row's result depends on how many entries the other tokens added.
+
+The thresholds are the kernels' and differ between CPUs (AMX kernels switch elsewhere) and
+builds, so ``r`` is not a constant: :func:`verify_rows` measures it, once per model, dtype
+and thread count in a process, by checking that a chain of tokens verified as one tree,
+alongside another row with a tree of another size, gives bit-for-bit the logits of plain
+steps. About ten forwards of a 30-token prompt per candidate; the default model in bfloat16
+takes about a second.
+
+Float32 runs unpadded (``r = 1``, what ``model.generate`` computes, so plain accel still
+equals it token for token); :func:`probe` reports whether it is invariant on a machine. Where
+no candidate is invariant, verification is *approximate*: :func:`verify_rows` warns once and
+returns the largest candidate, and generate's stats say ``exact_verify=False``.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from typing import Sequence
+
+import torch
+
+from . import adapter
+from .cache import SharedCache
+from .strategy import DraftProposal
+from .tree import DraftTree
+
+__all__ = ["CANDIDATES", "KV_ALIGN", "probe", "verify_rows", "kv_align", "is_exact"]
+
+#: Row counts tried, smallest first.
+CANDIDATES = (1, 2, 4, 8, 16)
+
+_PROMPTS = (57, 17, 90)  # probe prompt lengths, rows of different lengths; row 0's steps cross 64 columns
+_STEPS = 6  # plain steps compared with one chain
+_EXTRA = (0, 3, 11, 26)  # garbage nodes hung below the chain: trees of 6, 9, 17 and 32 nodes
+
+#: Columns the attention of a low-precision batch sees, padded to a multiple of (see
+#: ``SharedCache.kv_align``).
+KV_ALIGN = 64
+
+_memo: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, int | None]]" = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def _fresh(model, geo, prompt: torch.Tensor, align: int) -> tuple[SharedCache, int]:
+    from .engine import prefill
+
+    cache = SharedCache(geo.num_layers, adapter.layer_windows(model))
+    cache.kv_align = align
+    hidden = prefill(model, cache, prompt.reshape(1, -1))
+    return cache, int(adapter.output_logits(model, hidden).argmax(dim=-1)[0])
+
+
+def _garbage(n: int, vocab: int, device) -> list[int]:
+    return [(7919 * i + 13) % vocab for i in range(n)]
+
+
+def probe(model, rows: int, align: int = KV_ALIGN, prompts: Sequence[torch.Tensor] | None = None) -> bool:
+    """Whether verify passes padded to a multiple of ``rows`` query tokens per row, on a
+    cache whose attention columns are aligned to ``align``, are batch-invariant for
+    ``model`` on this machine: a row's logits are bit for bit the same whether it is verified
+    one token at a time, as a chain inside trees of 6 to 32 nodes, or next to other rows
+    whose trees have other sizes; each of ``prompts`` (default: random ones of 57, 17 and 90
+    tokens) is the first row once."""
+    geo = adapter.geometry(model)
+    vocab = int(model.get_output_embeddings().weight.shape[0])
+    if prompts is None:
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).to(geo.device) for n in _PROMPTS]
+    prompts = list(prompts)
+    with adapter.packed_gqa_attention(model), torch.inference_mode():
+        return all(_probe_row(model, geo, vocab, rows, align, prompts[i:] + prompts[:i]) for i in range(len(prompts)))
+
+
+def _probe_row(model, geo, vocab: int, rows: int, align: int, prompts: list[torch.Tensor]) -> bool:
+    from .engine import verify_logits
+
+    groups = geo.num_heads // geo.num_kv_heads
+    p0 = prompts[0]
+
+    def logits_of(trees):  # row 0 and len(trees) - 1 others, prefilled one by one and joined
+        cache, _ = _fresh(model, geo, p0, align)
+        for p in prompts[1 : len(trees)]:
+            cache.extend(_fresh(model, geo, p, align)[0])
+        return verify_logits(model, cache, trees, geo.dtype, groups, rows)[1]
+
+    cache, tok = _fresh(model, geo, p0, align)
+    toks, plain = [tok], []
+    for _ in range(_STEPS):  # row 0 alone, plain steps
+        _, logits = verify_logits(model, cache, [DraftTree.root_only(toks[-1], device=geo.device)], geo.dtype,
+                                  groups, rows)
+        plain.append(logits[0])
+        toks.append(int(logits[0].argmax()))
+        cache.commit([[0]])
+    for extra in _EXTRA:  # the same tokens as one chain, with garbage siblings
+        tokens = torch.tensor(toks[1:_STEPS] + _garbage(extra, vocab, geo.device), device=geo.device)
+        parents = torch.tensor(list(range(_STEPS - 1)) + [0] * extra, device=geo.device)
+        tree = DraftTree.from_proposal(toks[0], DraftProposal(tokens=tokens, parents=parents))
+        logits = logits_of([tree])
+        if not all(torch.equal(logits[i], plain[i]) for i in range(_STEPS)):
+            return False
+    chain = DraftTree.chain(toks[0], toks[1:_STEPS], device=geo.device)
+    root = DraftTree.root_only(toks[0], device=geo.device)
+
+    def other(i: int, nodes: int) -> DraftTree:
+        return DraftTree.chain(int(prompts[i][-1]), _garbage(nodes - 1, vocab, geo.device), device=geo.device)
+
+    for trees in ([chain, other(1, 17)], [root, other(1, 11)], [tree, other(1, 5), other(2, 1)]):
+        logits = logits_of(trees)  # next to other rows with other trees
+        if not all(torch.equal(logits[i], plain[i]) for i in range(min(trees[0].num_nodes, _STEPS))):
+            return False
+    return True
+
+
+def verify_rows(model, candidates: Sequence[int] = CANDIDATES) -> int:
+    """The multiple of query tokens per row a verify pass pads to, for exact speculative
+    decoding of ``model``:
+    1 in float32; otherwise the smallest of ``candidates`` that :func:`probe` finds
+    invariant (measured once per model, dtype and thread count in a process). Where none
+    is, it warns and returns the largest (verification is then approximate)."""
+    geo = adapter.geometry(model)
+    if geo.dtype == torch.float32:
+        return 1
+    key = (geo.dtype, geo.device, torch.get_num_threads(), tuple(candidates))
+    with _lock:
+        known = _memo.setdefault(model, {})
+        if key not in known:
+            known[key] = next((r for r in candidates if probe(model, r, KV_ALIGN)), None)
+            if known[key] is None:
+                warnings.warn(
+                    f"accel: {geo.dtype} verification of {type(model).__name__} is not batch-invariant on this "
+                    f"machine (none of {list(candidates)} query rows per step gave bit-identical logits); "
+                    "greedy speculative output may differ from plain decoding (approximate)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+        found = known[key]
+    return found if found is not None else max(candidates)
+
+
+def kv_align(model) -> int:
+    """Columns a batch's attention sees are padded to a multiple of this (1 in float32)."""
+    return 1 if adapter.geometry(model).dtype == torch.float32 else KV_ALIGN
+
+
+def is_exact(model, candidates: Sequence[int] = CANDIDATES) -> bool:
+    """Whether :func:`verify_rows` found an invariant row count (always True in float32,
+    whose exactness is tested rather than probed)."""
+    geo = adapter.geometry(model)
+    if geo.dtype == torch.float32:
+        return True
+    verify_rows(model, candidates)
+    key = (geo.dtype, geo.device, torch.get_num_threads(), tuple(candidates))
+    return _memo[model][key] is not None
+
+
+def _main() -> None:  # python -m accel.invariance [dtype]: which row counts are invariant here
+    import sys
+
+    from .models import load_default
+
+    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
+    model, _ = load_default(dtype=dtype, prepack=False)
+    for r in CANDIDATES:
+        for align in (1, KV_ALIGN):
+            print(f"{dtype} rows {r}, columns aligned to {align}: {'invariant' if probe(model, r, align) else 'NOT'}")
+
+
+if __name__ == "__main__":
+    _main()
