@@ -55,7 +55,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .medusa import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads, _bf16_fast_on_cpu
+from .medusa import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads
+from .medusa.packed import bf16_fast_on_cpu
 
 __all__ = [
     "TrainConfig",
@@ -317,7 +318,7 @@ def _prompts_hash(prompts: list[str], cfg: TrainConfig, model_name: str) -> str:
 
 def _data_dtype(cfg: TrainConfig, device: str = "cpu") -> torch.dtype:
     if cfg.data_dtype == "auto":
-        return torch.bfloat16 if device == "cpu" and _bf16_fast_on_cpu() else torch.float32
+        return torch.bfloat16 if device == "cpu" and bf16_fast_on_cpu() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.data_dtype]
 
 
@@ -654,7 +655,7 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
     embed = model.get_input_embeddings().weight.detach() if cfg.sequential else None
     vocab, hidden_size = lm_weight.shape
     mm_dtype = None
-    use_bf16 = cfg.bf16 if cfg.bf16 is not None else (lm_weight.device.type == "cpu" and _bf16_fast_on_cpu())
+    use_bf16 = cfg.bf16 if cfg.bf16 is not None else (lm_weight.device.type == "cpu" and bf16_fast_on_cpu())
     if use_bf16 and lm_weight.dtype == torch.float32:
         mm_dtype = torch.bfloat16
     lm_mm = lm_weight.to(mm_dtype) if mm_dtype is not None else lm_weight
@@ -843,7 +844,7 @@ def run_cli(args: argparse.Namespace) -> int:
     for k, row in enumerate(acc, 1):
         print(f"head {k}: top-1 {row[0]:.3f}  top-5 {row[4]:.3f}  top-10 {row[9]:.3f}")
     if acc:
-        from .medusa_trees import build_tree, expected_acceptance, rank_accuracies
+        from .medusa.trees import build_tree, expected_acceptance, rank_accuracies
 
         ranks = rank_accuracies(acc)
         sizes = "  ".join(f"{n} nodes {expected_acceptance(build_tree(ranks, n), ranks):.2f}" for n in (3, 5, 8, 16, 32))

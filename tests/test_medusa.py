@@ -15,7 +15,7 @@ from helpers import TINY_VOCAB, make_tiny_model
 from snapkv import SnapKV
 from speculative import Medusa, MedusaHeads
 from speculative.medusa import CONFIG_NAME, DEFAULT_HEADS_DIR, WEIGHTS_NAME, load_heads
-from speculative.medusa_trees import (
+from speculative.medusa.trees import (
     MC_SIM_7B_63,
     TREES,
     build_tree,
