@@ -217,6 +217,24 @@ def test_propose_without_hidden_is_a_clear_error(tmp_path):
         drafter.propose(state, DraftContext(tokens=torch.tensor([1, 2]), hidden=None, max_tokens=8))
 
 
+def test_one_residual_block_definition_serves_the_modules_and_the_packed_heads(tmp_path):
+    from speculative.medusa.heads import residual_block
+
+    # golden: x + SiLU(W x + b), and with a path x + SiLU(W [x; e_1] + b), on hand-made tensors
+    x = torch.tensor([1.0, -2.0])
+    w, b = torch.tensor([[1.0, 0.0], [0.0, 0.0]]), torch.tensor([0.0, 1.0])
+    assert torch.equal(residual_block(x, lambda v: v @ w.T + b), x + torch.nn.functional.silu(torch.tensor([1.0, 1.0])))
+    w_path = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])  # reads e_1 only
+    e = torch.tensor([[3.0, 4.0]])
+    assert torch.equal(residual_block(x, lambda v: v @ w_path.T, e), x + torch.nn.functional.silu(e[0]))
+    # the packed independent heads (one batched matmul per layer) compute what the modules do
+    heads = random_heads(num_layers=2, seed=11)
+    heads.save_pretrained(tmp_path)
+    h = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(load_heads(str(tmp_path)).packed.hidden(h, heads.num_heads), heads.hidden(h))
+
+
 # --------------------------------------------------------------------------- files
 
 

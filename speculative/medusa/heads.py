@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,42 +28,67 @@ from torch import nn
 
 from . import formats
 
-__all__ = ["ResBlock", "PathBlock", "MedusaHead", "MedusaHeads"]
+__all__ = ["residual_block", "head_hidden", "ResBlock", "PathBlock", "MedusaHead", "MedusaHeads"]
+
+
+#: A linear map [..., in] -> [..., out]: an ``nn.Linear``, a :class:`~accel.cpu.PackedLinear`,
+#: or one batched matmul over the stacked layers of several heads.
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def residual_block(x: torch.Tensor, linear: Linear, path_emb: torch.Tensor | None = None) -> torch.Tensor:
+    """One residual block of a Medusa head: ``x + SiLU(linear(x))``, or, with ``path_emb`` (the
+    first block of a sequential head), ``x + SiLU(linear([x; e_1; ...; e_n]))`` with e_i the
+    input embeddings of the tokens on the path, the root first.
+
+    The one definition of the heads' arithmetic: the modules below (training, the reference
+    forward) and the packed heads (drafting) differ only in the ``linear`` they pass.
+    x: [..., H]; path_emb: [..., n, H]; linear: [..., H] (or [..., (n + 1) H]) -> [..., H].
+    """
+    inner = x if path_emb is None else torch.cat([x, path_emb.flatten(-2)], dim=-1)
+    return x + F.silu(linear(inner))
+
+
+def head_hidden(x: torch.Tensor, linears: Sequence[Linear], path_emb: torch.Tensor | None = None) -> torch.Tensor:
+    """A head's residual blocks in order, [..., H] -> [..., H] (see :func:`residual_block`):
+    the first block reads ``path_emb`` [..., n, H] when given, the others ``x`` alone."""
+    for i, linear in enumerate(linears):
+        x = residual_block(x, linear, path_emb if i == 0 else None)
+    return x
 
 
 class ResBlock(nn.Module):
-    """``x + SiLU(W x + b)``; W and b start at zero, so a fresh block is the identity."""
+    """``x + SiLU(W x + b)`` (:func:`residual_block`); W and b start at zero, so a fresh block
+    is the identity."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, in_features: int | None = None):
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.linear = nn.Linear(in_features or hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
         self.dropout = 0.0  # on the block's input to W, in training mode only (a regulariser)
 
+    def project(self, inner: torch.Tensor) -> torch.Tensor:
+        """``W inner + b``, with dropout on ``inner`` while training."""
+        if self.training and self.dropout:
+            inner = F.dropout(inner, self.dropout, training=True)
+        return self.linear(inner)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        inner = F.dropout(x, self.dropout, training=True) if self.training and self.dropout else x
-        return x + F.silu(self.linear(inner))
+        return residual_block(x, self.project)
 
 
-class PathBlock(nn.Module):
+class PathBlock(ResBlock):
     """The first block of a sequential (Hydra-style) head that extends paths of n tokens:
     ``x + SiLU(W [x; e_1; ...; e_n] + b)``, with e_i the input embeddings of the tokens on
     the path (the root first). W [H, (n + 1) H] and b start at zero."""
 
     def __init__(self, hidden_size: int, path_len: int):
-        super().__init__()
-        self.linear = nn.Linear((path_len + 1) * hidden_size, hidden_size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-        self.dropout = 0.0
+        super().__init__(hidden_size, (path_len + 1) * hidden_size)
 
     def forward(self, x: torch.Tensor, path_emb: torch.Tensor) -> torch.Tensor:
         """x: [..., H]; path_emb: [..., n, H]. Returns [..., H]."""
-        inner = torch.cat([x, path_emb.flatten(-2)], dim=-1)
-        if self.training and self.dropout:
-            inner = F.dropout(inner, self.dropout, training=True)
-        return x + F.silu(self.linear(inner))
+        return residual_block(x, self.project, path_emb)
 
 
 class MedusaHead(nn.Module):
@@ -78,9 +103,8 @@ class MedusaHead(nn.Module):
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False) if own_lm_head else None
 
     def hidden(self, x: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
-        for i, block in enumerate(self.blocks):
-            x = block(x, path_emb) if i == 0 and self.path_len else block(x)
-        return x
+        """[..., H] -> [..., H]; path_emb [..., path_len, H] for a head that reads a path."""
+        return head_hidden(x, [block.project for block in self.blocks], path_emb if self.path_len else None)
 
 
 class MedusaHeads(nn.Module):

@@ -15,17 +15,17 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from accel.cpu import PackedLinear
 
 from .formats import resolve_heads_dir
-from .heads import MedusaHeads
+from .heads import MedusaHeads, head_hidden
 
 __all__ = [
     "PackedHeads",
@@ -87,10 +87,8 @@ class PackedHeads:
     def hidden(self, h: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[H] -> [K, H]: every head's residual blocks on the same hidden state."""
         x = h.to(self.weight.dtype).unsqueeze(0).expand(num_heads, -1)
-        for layer in range(self.weight.shape[0]):
-            y = torch.bmm(self.weight[layer], x.unsqueeze(-1)).squeeze(-1) + self.bias[layer]
-            x = x + F.silu(y)
-        return x
+        layers = [partial(_stacked_linear, self.weight[layer], self.bias[layer]) for layer in range(self.weight.shape[0])]
+        return head_hidden(x, layers)
 
     @property
     def device(self) -> torch.device:
@@ -139,16 +137,17 @@ class PackedPathHeads:
         h: [H] the verifier's hidden state; path_emb: [P, head + 1, H] the input embeddings of
         each path's tokens, the root first. lm as in :meth:`PackedHeads.top_tokens`.
         """
-        first, *rest = self.blocks[head]
-        dtype = first.weight.dtype
-        rows = path_emb.shape[0]
-        x = h.to(dtype).reshape(1, -1).expand(rows, -1)
-        inner = torch.cat([x, path_emb.to(dtype).reshape(rows, -1)], dim=-1)
-        x = x + F.silu(first(inner))
-        for block in rest:
-            x = x + F.silu(block(x))
+        blocks = self.blocks[head]
+        dtype = blocks[0].weight.dtype
+        x = h.to(dtype).reshape(1, -1).expand(path_emb.shape[0], -1)
+        x = head_hidden(x, blocks, path_emb.to(dtype))
         out = self.lm_heads[head] if self.lm_heads is not None else lm
         return _top(out(x.to(out.weight.dtype)), k, self.subset, log_probs)
+
+
+def _stacked_linear(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """K heads' linear layers as one batched matmul: weight [K, H, H], bias [K, H], x [K, H] -> [K, H]."""
+    return torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1) + bias
 
 
 def _top(logits: torch.Tensor, k: int, subset: torch.Tensor | None,
