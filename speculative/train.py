@@ -422,6 +422,13 @@ def _rows(heads: MedusaHeads, k: int, lm_weight: torch.Tensor | None) -> torch.T
     return w[heads.vocab_subset] if heads.vocab_subset is not None else w
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, mm_dtype: torch.dtype | None) -> torch.Tensor:
+    """The vocabulary projection ``x @ weight.T`` [n, H] x [V', H] -> [n, V'], in ``mm_dtype``
+    (None: the weight's, e.g. bfloat16 rows of a bfloat16 model under float32 heads)."""
+    dtype = mm_dtype or weight.dtype
+    return F.linear(x.to(dtype), weight.to(dtype))
+
+
 def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, lm_weight: torch.Tensor | None,
                 decay: float = 0.8, mm_dtype: torch.dtype | None = None,
                 embed: torch.Tensor | None = None, teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
@@ -446,16 +453,10 @@ def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, 
         if not bool(valid.any()):
             per_head.append(float("nan"))
             continue
-        xk = x[valid, k]
-        w = _rows(heads, k, lm_weight)
-        if mm_dtype is not None and mm_dtype != xk.dtype:
-            logits = F.linear(xk.to(mm_dtype), w.to(mm_dtype) if w.dtype != mm_dtype else w)
-        else:
-            logits = F.linear(xk, w)
+        logits = _project(x[valid, k], _rows(heads, k, lm_weight), mm_dtype)
         if teacher is not None:
             with torch.no_grad():
-                tk = teacher[valid, k]
-                t = F.linear(tk.to(mm_dtype) if mm_dtype is not None else tk, lm_weight.to(logits.dtype)).float().softmax(-1)
+                t = _project(teacher[valid, k], lm_weight, logits.dtype).float().softmax(-1)
         else:
             t = tgt[valid]
             if subset is not None:
@@ -483,11 +484,7 @@ def evaluate_heads(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tenso
             valid = tgt[:, k] >= 0
             if not bool(valid.any()):
                 continue
-            w = _rows(heads, k, lm_weight)
-            xk = x[valid, k]
-            if mm_dtype is not None and mm_dtype != xk.dtype:
-                xk, w = xk.to(mm_dtype), w.to(mm_dtype)
-            top = F.linear(xk, w).topk(topk, dim=-1).indices  # [n, topk]
+            top = _project(x[valid, k], _rows(heads, k, lm_weight), mm_dtype).topk(topk, dim=-1).indices  # [n, topk]
             if heads.vocab_subset is not None:
                 top = heads.vocab_subset[top]
             match = top == tgt[valid, k].unsqueeze(-1)
@@ -518,11 +515,7 @@ def simulate_acceptance(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.
         tgt = tokens[lo:lo + batch, 1:]
         tops = []
         for k in range(depth):
-            w = _rows(heads, k, lm_weight)
-            xk = x[:, k]
-            if mm_dtype is not None and mm_dtype != xk.dtype:
-                xk, w = xk.to(mm_dtype), w.to(mm_dtype)
-            top = F.linear(xk, w).topk(r, dim=-1).indices
+            top = _project(x[:, k], _rows(heads, k, lm_weight), mm_dtype).topk(r, dim=-1).indices
             tops.append(heads.vocab_subset[top] if heads.vocab_subset is not None else top)
         match = torch.zeros(x.shape[0], len(paths), dtype=torch.bool)
         best = torch.zeros(x.shape[0], dtype=torch.long)

@@ -87,6 +87,9 @@ class Medusa(Drafter):
 
     ``Medusa()`` uses the heads shipped for the default model; ``Medusa(heads=DIR)`` heads
     trained with ``accel train-heads`` or saved in the official Medusa format.
+
+    The heads' blocks run in the model's dtype (bfloat16 for a bfloat16 model, whatever
+    dtype the heads were saved in), the vocabulary projection in ``head_dtype``.
     """
 
     name: ClassVar[str] = "medusa"

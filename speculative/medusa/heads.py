@@ -49,9 +49,18 @@ def residual_block(x: torch.Tensor, linear: Linear, path_emb: torch.Tensor | Non
     return x + F.silu(linear(inner))
 
 
-def head_hidden(x: torch.Tensor, linears: Sequence[Linear], path_emb: torch.Tensor | None = None) -> torch.Tensor:
+def head_hidden(x: torch.Tensor, linears: Sequence[Linear], path_emb: torch.Tensor | None = None,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
     """A head's residual blocks in order, [..., H] -> [..., H] (see :func:`residual_block`):
-    the first block reads ``path_emb`` [..., n, H] when given, the others ``x`` alone."""
+    the first block reads ``path_emb`` [..., n, H] when given, the others ``x`` alone.
+
+    dtype: the dtype of the blocks' weights, which the blocks compute in; ``x`` and
+    ``path_emb`` (the model's hidden state and embeddings, bfloat16 for a bfloat16 model)
+    are cast to it. None: as given.
+    """
+    if dtype is not None:
+        x = x.to(dtype)
+        path_emb = path_emb.to(dtype) if path_emb is not None else None
     for i, linear in enumerate(linears):
         x = residual_block(x, linear, path_emb if i == 0 else None)
     return x
@@ -103,8 +112,10 @@ class MedusaHead(nn.Module):
         self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False) if own_lm_head else None
 
     def hidden(self, x: torch.Tensor, path_emb: torch.Tensor | None = None) -> torch.Tensor:
-        """[..., H] -> [..., H]; path_emb [..., path_len, H] for a head that reads a path."""
-        return head_hidden(x, [block.project for block in self.blocks], path_emb if self.path_len else None)
+        """[..., H] -> [..., H] in the blocks' dtype; path_emb [..., path_len, H] for a head
+        that reads a path."""
+        dtype = self.blocks[0].linear.weight.dtype if len(self.blocks) else None
+        return head_hidden(x, [block.project for block in self.blocks], path_emb if self.path_len else None, dtype)
 
 
 class MedusaHeads(nn.Module):
@@ -192,15 +203,17 @@ class MedusaHeads(nn.Module):
         """Head logits [..., K, V] from hidden states [..., H] (-inf outside ``vocab_subset``).
 
         lm_head: the base model's output layer (``model.get_output_embeddings()``); required
-        unless the heads have their own. path_emb: as in :meth:`hidden`.
+        unless the heads have their own. path_emb: as in :meth:`hidden`. The blocks compute
+        in the heads' dtype, each vocabulary projection in its weight's: float32 heads serve
+        a bfloat16 model as they are.
         """
         x = self.hidden(h, path_emb)
         if self.own_lm_head:
-            logits = torch.stack([head.lm_head(x[..., k, :]) for k, head in enumerate(self.heads)], dim=-2)
+            logits = torch.stack([_project(head.lm_head, x[..., k, :]) for k, head in enumerate(self.heads)], dim=-2)
         elif lm_head is None:
             raise ValueError("these Medusa heads use the base model's lm_head: pass lm_head=model.get_output_embeddings()")
         else:
-            logits = lm_head(x)
+            logits = _project(lm_head, x)
         if self.vocab_subset is not None:
             keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
             keep[self.vocab_subset.to(logits.device)] = True
@@ -253,3 +266,9 @@ class MedusaHeads(nn.Module):
         """Load heads saved in the official Medusa format (see :mod:`.formats`) as heads
         with their own output layers. Weights come back float32."""
         return formats.read_official(cls, folder)
+
+
+def _project(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)`` with ``x`` cast to the dtype of the layer's weight (if it has one)."""
+    weight = getattr(layer, "weight", None)
+    return layer(x.to(weight.dtype) if isinstance(weight, torch.Tensor) else x)

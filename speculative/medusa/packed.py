@@ -86,9 +86,8 @@ class PackedHeads:
 
     def hidden(self, h: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[H] -> [K, H]: every head's residual blocks on the same hidden state."""
-        x = h.to(self.weight.dtype).unsqueeze(0).expand(num_heads, -1)
         layers = [partial(_stacked_linear, self.weight[layer], self.bias[layer]) for layer in range(self.weight.shape[0])]
-        return head_hidden(x, layers)
+        return head_hidden(h.unsqueeze(0).expand(num_heads, -1), layers, dtype=self.weight.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -138,9 +137,7 @@ class PackedPathHeads:
         each path's tokens, the root first. lm as in :meth:`PackedHeads.top_tokens`.
         """
         blocks = self.blocks[head]
-        dtype = blocks[0].weight.dtype
-        x = h.to(dtype).reshape(1, -1).expand(path_emb.shape[0], -1)
-        x = head_hidden(x, blocks, path_emb.to(dtype))
+        x = head_hidden(h.reshape(1, -1).expand(path_emb.shape[0], -1), blocks, path_emb, dtype=blocks[0].weight.dtype)
         out = self.lm_heads[head] if self.lm_heads is not None else lm
         return _top(out(x.to(out.weight.dtype)), k, self.subset, log_probs)
 
@@ -234,7 +231,10 @@ def lm_layer(out: nn.Module, dtype: torch.dtype, rows: torch.Tensor | None = Non
 
 
 def bf16_fast_on_cpu() -> bool:
-    """Whether oneDNN reports bfloat16 matmul support on this CPU (see ``head_dtype="auto"``)."""
+    """Whether oneDNN reports bfloat16 matmul support on this CPU (``head_dtype="auto"`` and
+    training's defaults read it). oneDNN reports it from AVX-512 on; without native bf16
+    instructions (AVX512_BF16, AMX) its kernels convert to float32 on the fly, correct but
+    not necessarily faster than float32."""
     try:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):  # pragma: no cover - older / unusual builds
