@@ -111,7 +111,7 @@ def accuracy(model, tok, args) -> None:
     continuations (the same measure train-heads reports on its held-out training sequences)."""
     from accel.adapter import default_eos
     from speculative.medusa import MedusaHeads
-    from speculative.medusa_trees import build_tree, rank_accuracies
+    from speculative.medusa.trees import build_tree, rank_accuracies
     from speculative.train import Sequences, evaluate_heads, generate_batch, make_examples, simulate_acceptance
 
     heads = MedusaHeads.from_pretrained(args.heads).eval()

@@ -9,7 +9,7 @@ from .typical import TypicalAcceptance
 from .prompt_lookup import PromptLookup
 from .medusa import Medusa, MedusaHeads
 from .draft_model import DraftModel
-from .medusa_trees import TREES, build_tree
+from .medusa.trees import TREES, build_tree
 
 __all__ = [
     "TypicalAcceptance",

@@ -55,7 +55,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
-from .medusa import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads, _bf16_fast_on_cpu
+from .medusa import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads
+from .medusa.packed import bf16_fast_on_cpu
 
 __all__ = [
     "TrainConfig",
@@ -317,7 +318,7 @@ def _prompts_hash(prompts: list[str], cfg: TrainConfig, model_name: str) -> str:
 
 def _data_dtype(cfg: TrainConfig, device: str = "cpu") -> torch.dtype:
     if cfg.data_dtype == "auto":
-        return torch.bfloat16 if device == "cpu" and _bf16_fast_on_cpu() else torch.float32
+        return torch.bfloat16 if device == "cpu" and bf16_fast_on_cpu() else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.data_dtype]
 
 
@@ -421,6 +422,13 @@ def _rows(heads: MedusaHeads, k: int, lm_weight: torch.Tensor | None) -> torch.T
     return w[heads.vocab_subset] if heads.vocab_subset is not None else w
 
 
+def _project(x: torch.Tensor, weight: torch.Tensor, mm_dtype: torch.dtype | None) -> torch.Tensor:
+    """The vocabulary projection ``x @ weight.T`` [n, H] x [V', H] -> [n, V'], in ``mm_dtype``
+    (None: the weight's, e.g. bfloat16 rows of a bfloat16 model under float32 heads)."""
+    dtype = mm_dtype or weight.dtype
+    return F.linear(x.to(dtype), weight.to(dtype))
+
+
 def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, lm_weight: torch.Tensor | None,
                 decay: float = 0.8, mm_dtype: torch.dtype | None = None,
                 embed: torch.Tensor | None = None, teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, list[float]]:
@@ -445,16 +453,10 @@ def medusa_loss(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tensor, 
         if not bool(valid.any()):
             per_head.append(float("nan"))
             continue
-        xk = x[valid, k]
-        w = _rows(heads, k, lm_weight)
-        if mm_dtype is not None and mm_dtype != xk.dtype:
-            logits = F.linear(xk.to(mm_dtype), w.to(mm_dtype) if w.dtype != mm_dtype else w)
-        else:
-            logits = F.linear(xk, w)
+        logits = _project(x[valid, k], _rows(heads, k, lm_weight), mm_dtype)
         if teacher is not None:
             with torch.no_grad():
-                tk = teacher[valid, k]
-                t = F.linear(tk.to(mm_dtype) if mm_dtype is not None else tk, lm_weight.to(logits.dtype)).float().softmax(-1)
+                t = _project(teacher[valid, k], lm_weight, logits.dtype).float().softmax(-1)
         else:
             t = tgt[valid]
             if subset is not None:
@@ -482,11 +484,7 @@ def evaluate_heads(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.Tenso
             valid = tgt[:, k] >= 0
             if not bool(valid.any()):
                 continue
-            w = _rows(heads, k, lm_weight)
-            xk = x[valid, k]
-            if mm_dtype is not None and mm_dtype != xk.dtype:
-                xk, w = xk.to(mm_dtype), w.to(mm_dtype)
-            top = F.linear(xk, w).topk(topk, dim=-1).indices  # [n, topk]
+            top = _project(x[valid, k], _rows(heads, k, lm_weight), mm_dtype).topk(topk, dim=-1).indices  # [n, topk]
             if heads.vocab_subset is not None:
                 top = heads.vocab_subset[top]
             match = top == tgt[valid, k].unsqueeze(-1)
@@ -517,11 +515,7 @@ def simulate_acceptance(heads: MedusaHeads, hidden: torch.Tensor, tokens: torch.
         tgt = tokens[lo:lo + batch, 1:]
         tops = []
         for k in range(depth):
-            w = _rows(heads, k, lm_weight)
-            xk = x[:, k]
-            if mm_dtype is not None and mm_dtype != xk.dtype:
-                xk, w = xk.to(mm_dtype), w.to(mm_dtype)
-            top = F.linear(xk, w).topk(r, dim=-1).indices
+            top = _project(x[:, k], _rows(heads, k, lm_weight), mm_dtype).topk(r, dim=-1).indices
             tops.append(heads.vocab_subset[top] if heads.vocab_subset is not None else top)
         match = torch.zeros(x.shape[0], len(paths), dtype=torch.bool)
         best = torch.zeros(x.shape[0], dtype=torch.long)
@@ -654,7 +648,7 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
     embed = model.get_input_embeddings().weight.detach() if cfg.sequential else None
     vocab, hidden_size = lm_weight.shape
     mm_dtype = None
-    use_bf16 = cfg.bf16 if cfg.bf16 is not None else (lm_weight.device.type == "cpu" and _bf16_fast_on_cpu())
+    use_bf16 = cfg.bf16 if cfg.bf16 is not None else (lm_weight.device.type == "cpu" and bf16_fast_on_cpu())
     if use_bf16 and lm_weight.dtype == torch.float32:
         mm_dtype = torch.bfloat16
     lm_mm = lm_weight.to(mm_dtype) if mm_dtype is not None else lm_weight
@@ -843,7 +837,7 @@ def run_cli(args: argparse.Namespace) -> int:
     for k, row in enumerate(acc, 1):
         print(f"head {k}: top-1 {row[0]:.3f}  top-5 {row[4]:.3f}  top-10 {row[9]:.3f}")
     if acc:
-        from .medusa_trees import build_tree, expected_acceptance, rank_accuracies
+        from .medusa.trees import build_tree, expected_acceptance, rank_accuracies
 
         ranks = rank_accuracies(acc)
         sizes = "  ".join(f"{n} nodes {expected_acceptance(build_tree(ranks, n), ranks):.2f}" for n in (3, 5, 8, 16, 32))

@@ -15,7 +15,7 @@ from helpers import TINY_VOCAB, make_tiny_model
 from snapkv import SnapKV
 from speculative import Medusa, MedusaHeads
 from speculative.medusa import CONFIG_NAME, DEFAULT_HEADS_DIR, WEIGHTS_NAME, load_heads
-from speculative.medusa_trees import (
+from speculative.medusa.trees import (
     MC_SIM_7B_63,
     TREES,
     build_tree,
@@ -215,6 +215,24 @@ def test_propose_without_hidden_is_a_clear_error(tmp_path):
     state = drafter.start(make_tiny_model(), torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="hidden state"):
         drafter.propose(state, DraftContext(tokens=torch.tensor([1, 2]), hidden=None, max_tokens=8))
+
+
+def test_one_residual_block_definition_serves_the_modules_and_the_packed_heads(tmp_path):
+    from speculative.medusa.heads import residual_block
+
+    # golden: x + SiLU(W x + b), and with a path x + SiLU(W [x; e_1] + b), on hand-made tensors
+    x = torch.tensor([1.0, -2.0])
+    w, b = torch.tensor([[1.0, 0.0], [0.0, 0.0]]), torch.tensor([0.0, 1.0])
+    assert torch.equal(residual_block(x, lambda v: v @ w.T + b), x + torch.nn.functional.silu(torch.tensor([1.0, 1.0])))
+    w_path = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]])  # reads e_1 only
+    e = torch.tensor([[3.0, 4.0]])
+    assert torch.equal(residual_block(x, lambda v: v @ w_path.T, e), x + torch.nn.functional.silu(e[0]))
+    # the packed independent heads (one batched matmul per layer) compute what the modules do
+    heads = random_heads(num_layers=2, seed=11)
+    heads.save_pretrained(tmp_path)
+    h = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        torch.testing.assert_close(load_heads(str(tmp_path)).packed.hidden(h, heads.num_heads), heads.hidden(h))
 
 
 # --------------------------------------------------------------------------- files
@@ -524,6 +542,77 @@ def test_tree_arrays_give_tokens_and_parents():
     assert arrays.parents.tolist() == [0, 0, 1, 1, 2, 3]
     top = torch.tensor([[10, 11], [20, 21], [30, 31]])
     assert arrays.tokens(top).tolist() == [10, 11, 20, 21, 20, 30]
+
+
+# --------------------------------------------------------------------------- bfloat16
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+@pytest.mark.parametrize("save_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tree", ["dynamic", "auto"])
+def test_medusa_on_a_bfloat16_model_is_exact_and_accepts(tmp_path, tree, save_dtype, sequential):
+    # heads stored in float32 or bfloat16 draft for a bfloat16 model: fresh (identity) heads
+    # propose the base model's next token, which this model's output repeats
+    model = make_tiny_model(seed=23).to(torch.bfloat16)
+    ids = _prompt(2, 40)
+    MedusaHeads(3, HIDDEN, TINY_VOCAB, sequential=sequential).save_pretrained(tmp_path, dtype=save_dtype)
+    ref = _generate(model, ids, [], new=40)
+    out = _generate(model, ids, [Medusa(heads=str(tmp_path), tree=tree, max_nodes=8)], new=40)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize("head_dtype", ["auto", "float32", "bfloat16"])
+def test_random_heads_on_a_bfloat16_model_stay_exact(tmp_path, head_dtype):
+    model = make_tiny_model(seed=21).to(torch.bfloat16)
+    ids = _prompt(1, 48)
+    random_heads(seed=1, sequential=True).save_pretrained(tmp_path)
+    ref = _generate(model, ids, [])
+    out = _generate(model, ids, [Medusa(heads=str(tmp_path), head_dtype=head_dtype, max_nodes=12)])
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_bfloat16_drafts_are_valid_trees_of_the_heads_top_tokens(tmp_path, sequential):
+    model = make_tiny_model(seed=26).to(torch.bfloat16)
+    heads = random_heads(seed=11, sequential=sequential, std=4.0)
+    heads.save_pretrained(tmp_path)
+    h = torch.randn(HIDDEN, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    root = torch.tensor([5, 6, 7])
+    lm = nn.Linear(HIDDEN, TINY_VOCAB, bias=False)
+    with torch.no_grad():  # head 1's top token from the float32 module (ahead by > 1 logit here)
+        lm.weight.copy_(model.get_output_embeddings().weight.float())
+        emb = model.get_input_embeddings().weight.float()
+        head1 = heads(h.float(), lm, path_emb=emb[torch.tensor([7, 0, 0])] if sequential else None)[0]
+    static = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+    for tree in ("dynamic", static):
+        for head_dtype in ("auto", "float32", "bfloat16"):
+            drafter = Medusa(heads=str(tmp_path), tree=tree, max_nodes=5, head_dtype=head_dtype)
+            state = drafter.start(model, root)
+            prop = drafter.propose(state, DraftContext(tokens=root, hidden=h, max_tokens=32))
+            parents = prop.parents.tolist()
+            assert len(prop) == 5 and all(0 <= p <= i for i, p in enumerate(parents))  # a tree, topologically ordered
+            assert prop.tokens.dtype == torch.long and all(0 <= t < TINY_VOCAB for t in prop.tokens.tolist())
+            if tree is static:
+                assert parents == [0, 0, 1, 1, 3]
+            assert int(prop.tokens[0]) == int(head1.argmax())  # both trees' first node: head 1's best token
+
+
+def test_float32_heads_read_a_bfloat16_models_states():
+    model = make_tiny_model(seed=24).to(torch.bfloat16)
+    lm = nn.Linear(HIDDEN, TINY_VOCAB, bias=False)
+    with torch.no_grad():
+        lm.weight.copy_(model.get_output_embeddings().weight.float())
+    h = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    path = model.get_input_embeddings().weight[torch.tensor([[1, 2, 3]] * 3)]  # [3, K, H] bfloat16
+    for heads, path_emb in ((random_heads(seed=4), None), (random_heads(seed=4, sequential=True), path),
+                            (random_heads(seed=4, num_layers=0, own_lm_head=True), None)):
+        with torch.no_grad():  # the blocks run in float32, the projection in the output layer's dtype
+            got = heads(h, model.get_output_embeddings(), path_emb=path_emb)
+            ref = heads(h.float(), lm, path_emb=path_emb.float() if path_emb is not None else None)
+        assert got.dtype == (torch.float32 if heads.own_lm_head else torch.bfloat16)
+        torch.testing.assert_close(got.float(), ref, atol=2e-2, rtol=2e-2)
 
 
 # --------------------------------------------------------------------------- shipped heads

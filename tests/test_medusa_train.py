@@ -135,6 +135,32 @@ def test_a_few_training_steps_lower_the_loss(sequential):
             medusa_loss(heads, x, y, lm_weight)
 
 
+@pytest.mark.parametrize("sequential", [False, True])
+def test_float32_heads_train_on_a_bfloat16_models_states(sequential):
+    # a bfloat16 model hands over bfloat16 hidden states, embeddings and output rows; the
+    # heads keep float32 weights and the projection runs in the output rows' dtype
+    model = make_tiny_model(seed=32).to(torch.bfloat16)
+    toks, states = generate_batch(model, CharTokenizer(), PROMPTS, max_new_tokens=24, eos=[])
+    seqs = Sequences(torch.cat(toks), torch.cat(states), torch.tensor([t.numel() for t in toks]), torch.arange(len(toks)))
+    x, y = make_examples(seqs, num_heads=2)
+    x = x.to(torch.bfloat16)  # as train_heads hands them over: in the model's dtype
+    heads = MedusaHeads(2, 64, TINY_VOCAB, sequential=sequential)
+    lm_weight = model.get_output_embeddings().weight.detach()
+    embed = model.get_input_embeddings().weight.detach() if sequential else None
+    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(20):
+        loss, _ = medusa_loss(heads, x, y, lm_weight, embed=embed)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    assert all(p.dtype == torch.float32 for p in heads.parameters())
+    assert losses[-1] < 0.9 * losses[0]
+    acc = evaluate_heads(heads, x, y, lm_weight, topk=3, embed=embed)
+    assert len(acc) == 2 and all(len(r) == 3 for r in acc)
+
+
 def test_train_heads_pipeline_writes_heads_and_resumes_exactly(tmp_path):
     model, tok = make_tiny_model(seed=33), CharTokenizer()
     full = train_heads(_cfg(tmp_path / "full"), model, tok, prompts=PROMPTS, progress=False)

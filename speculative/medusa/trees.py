@@ -1,4 +1,4 @@
-"""Medusa draft trees: which top-k candidates of which head a verify step checks.
+"""Static Medusa draft trees: which top-k candidates of which head a verify step checks.
 
 A tree is a list of index PATHS, the notation of the Medusa paper (Cai et al. 2024): a path
 ``(i0, i1, ..., id)`` is the node reached by taking head 1's rank-``i0`` token, then head 2's
@@ -25,7 +25,7 @@ from typing import Iterable, Sequence
 import torch
 
 __all__ = [
-    "Path",
+    "TreePath",
     "TREES",
     "MC_SIM_7B_63",
     "TreeArrays",
@@ -39,12 +39,13 @@ __all__ = [
     "truncate_paths",
 ]
 
-Path = tuple[int, ...]
+#: One node of a tree as its index path (see above): ranks of heads 1, 2, ... from the root.
+TreePath = tuple[int, ...]
 
 #: The 63-node sparse tree the Medusa authors tuned on Vicuna-7B and released with the paper
 #: (``mc_sim_7b_63``; Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework
 #: with Multiple Decoding Heads"). Data only: paths in the authors' priority order, 4 deep.
-MC_SIM_7B_63: tuple[Path, ...] = (
+MC_SIM_7B_63: tuple[TreePath, ...] = (
     (0,), (0, 0), (1,), (0, 1), (2,), (0, 0, 0), (1, 0), (0, 2), (3,), (0, 3), (4,), (0, 4),
     (2, 0), (0, 5), (0, 0, 1), (5,), (0, 6), (6,), (0, 7), (0, 1, 0), (1, 1), (7,), (0, 8),
     (0, 0, 2), (3, 0), (0, 9), (8,), (9,), (1, 0, 0), (0, 2, 0), (1, 2), (0, 0, 3), (4, 0),
@@ -55,20 +56,20 @@ MC_SIM_7B_63: tuple[Path, ...] = (
 )
 
 #: Named trees. ``chain``: each head's top token in a line (as deep as there are heads).
-TREES: dict[str, tuple[Path, ...]] = {
+TREES: dict[str, tuple[TreePath, ...]] = {
     "mc_sim_7b_63": MC_SIM_7B_63,
     "chain": ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 0, 0, 0)),
 }
 
 
-def check_paths(paths: Iterable[Sequence[int]], what: str = "tree") -> tuple[Path, ...]:
+def check_paths(paths: Iterable[Sequence[int]], what: str = "tree") -> tuple[TreePath, ...]:
     """Validate index paths and return them as tuples, in the given order.
 
     Each path must be non-empty, hold ranks >= 0, appear once, and have its parent (the path
     minus its last index) earlier in the list. Raises ValueError naming the offending path.
     """
-    out: list[Path] = []
-    seen: set[Path] = set()
+    out: list[TreePath] = []
+    seen: set[TreePath] = set()
     for raw in paths:
         path = tuple(int(i) for i in raw)
         if not path:
@@ -84,13 +85,13 @@ def check_paths(paths: Iterable[Sequence[int]], what: str = "tree") -> tuple[Pat
     return tuple(out)
 
 
-def truncate_paths(paths: Sequence[Path], max_nodes: int, max_depth: int | None = None) -> tuple[Path, ...]:
+def truncate_paths(paths: Sequence[TreePath], max_nodes: int, max_depth: int | None = None) -> tuple[TreePath, ...]:
     """The first ``max_nodes`` paths no deeper than ``max_depth`` whose parent was kept.
 
     Paths are taken in order, so a priority-ordered tree truncates to its best sub-tree.
     """
-    kept: list[Path] = []
-    keep: set[Path] = set()
+    kept: list[TreePath] = []
+    keep: set[TreePath] = set()
     for path in paths:
         if len(kept) >= max_nodes:
             break
@@ -119,7 +120,7 @@ def rank_accuracies(topk_accuracy: Sequence[Sequence[float]]) -> list[list[float
     return out
 
 
-def expected_acceptance(paths: Iterable[Path], accuracies: Sequence[Sequence[float]]) -> float:
+def expected_acceptance(paths: Iterable[TreePath], accuracies: Sequence[Sequence[float]]) -> float:
     """Expected accepted drafts per step (bonus excluded) under independent heads:
     the sum over nodes of the product of ``accuracies[depth][rank]`` along the path."""
     total = 0.0
@@ -132,7 +133,7 @@ def expected_acceptance(paths: Iterable[Path], accuracies: Sequence[Sequence[flo
     return total
 
 
-def build_tree(accuracies: Sequence[Sequence[float]], max_nodes: int) -> tuple[Path, ...]:
+def build_tree(accuracies: Sequence[Sequence[float]], max_nodes: int) -> tuple[TreePath, ...]:
     """The tree of at most ``max_nodes`` nodes that greedily maximises expected acceptance.
 
     accuracies: [K][topk] per-rank accuracies, ``accuracies[k][i]`` the probability that head
@@ -143,9 +144,9 @@ def build_tree(accuracies: Sequence[Sequence[float]], max_nodes: int) -> tuple[P
     depth_max = len(accuracies)
     if max_nodes <= 0 or depth_max == 0:
         return ()
-    heap: list[tuple[float, int, Path]] = []
+    heap: list[tuple[float, int, TreePath]] = []
 
-    def push_children(parent: Path, value: float) -> None:
+    def push_children(parent: TreePath, value: float) -> None:
         depth = len(parent)
         if depth >= depth_max:
             return
@@ -154,7 +155,7 @@ def build_tree(accuracies: Sequence[Sequence[float]], max_nodes: int) -> tuple[P
             heapq.heappush(heap, (-value * float(acc), len(child), child))
 
     push_children((), 1.0)
-    out: list[Path] = []
+    out: list[TreePath] = []
     while heap and len(out) < max_nodes:
         neg, _, path = heapq.heappop(heap)
         out.append(path)
@@ -180,7 +181,7 @@ class TreeArrays:
         return top[self.head, self.rank]
 
 
-def tree_arrays(paths: Sequence[Path], device: torch.device | str | None = None) -> TreeArrays:
+def tree_arrays(paths: Sequence[TreePath], device: torch.device | str | None = None) -> TreeArrays:
     """Node arrays of ``paths`` (validated, in order: node i+1 is ``paths[i]``)."""
     paths = check_paths(paths)
     index = {p: i + 1 for i, p in enumerate(paths)}
@@ -216,7 +217,7 @@ class TreeLevel:
     rank: torch.Tensor
 
 
-def tree_levels(paths: Sequence[Path], device: torch.device | str | None = None) -> tuple[TreeLevel, ...]:
+def tree_levels(paths: Sequence[TreePath], device: torch.device | str | None = None) -> tuple[TreeLevel, ...]:
     """The levels of ``paths`` (validated), shallowest first: drafting level d needs only
     the tokens of the levels above it."""
     paths = check_paths(paths)
