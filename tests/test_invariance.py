@@ -51,6 +51,9 @@ def test_float32_runs_unpadded_and_unaligned():
     assert batch.min_nodes == 1 and batch.cache.kv_align == 1
 
 
+pytestmark = pytest.mark.filterwarnings("ignore:accel. .* verification of .* is approximate:RuntimeWarning")
+
+
 def test_probe_picks_the_row_count_past_a_kernels_threshold():
     base = _bf16()
     r0 = invariance.verify_rows(copy.deepcopy(base))  # what the real kernels need here
@@ -58,14 +61,18 @@ def test_probe_picks_the_row_count_past_a_kernels_threshold():
     fake = _row_count_kernel(copy.deepcopy(base), lambda rows: 0.0625 if rows < 8 else 0.0)
     assert not invariance.probe(fake, 4)
     assert invariance.verify_rows(fake) == max(r0, 8)
-    assert invariance.is_exact(fake) == invariance.is_exact(base)
 
 
-def test_no_invariant_count_warns_and_labels_the_output_approximate():
+@pytest.mark.filterwarnings("default")
+def test_low_precision_is_labelled_approximate():
     fake = _row_count_kernel(_bf16(), lambda rows: 0.0625 * rows)  # every row count differs
-    with pytest.warns(RuntimeWarning, match="not batch-invariant"):
+    with pytest.warns(RuntimeWarning, match="none of .* gave bit-identical logits"):
         rows = invariance.verify_rows(fake)
-    assert rows == max(invariance.CANDIDATES) and not invariance.is_exact(fake)
+    assert rows == 1 and not invariance.is_exact(fake)
+    model = _bf16()
+    with pytest.warns(RuntimeWarning, match="passed the invariance probe"):
+        invariance.verify_rows(model)
+    assert not invariance.is_exact(model) and invariance.is_exact(make_tiny_model())
     ids = _prompt(2, 30)
     out = accel.generate(fake, ids, strategies=[PromptLookup()], max_new_tokens=8, eos_token_id=[])
     assert not out.stats.exact_verify and "approximate" in out.stats.summary()
@@ -126,10 +133,8 @@ def test_bf16_greedy_drafting_equals_plain_bf16_decoding(mode):
         kw = dict(attention_mask=mask, max_new_tokens=24, eos_token_id=[])
         ref = accel.generate(model, ids, strategies=[], **kw)
         out = accel.generate(model, ids, strategies=strategies, **kw)
-        if not invariance.is_exact(model):  # no invariant setting on this machine: said, not claimed
-            assert not out.stats.exact_verify
-            continue
-        assert out.stats.exact_verify and out.stats.drafted_tokens > 0
+        # labelled approximate, and on these models (which differ without the padding) equal
+        assert not out.stats.exact_verify and out.stats.drafted_tokens > 0
         assert all(torch.equal(g, r) for g, r in zip(out.sequences, ref.sequences))
 
 
@@ -138,8 +143,6 @@ def test_bf16_logits_of_any_tree_equal_plain_steps_bit_for_bit():
     model = _bf16(seed=7)
     geo = adapter.geometry(model)
     rows = invariance.verify_rows(model)
-    if not invariance.is_exact(model):
-        pytest.fail("no batch-invariant setting found for the tiny bf16 model on this machine")
     groups = geo.num_heads // geo.num_kv_heads
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, TINY_VOCAB, (n,), generator=gen) for n in (90, 41, 13)]
