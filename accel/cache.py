@@ -193,6 +193,11 @@ class SharedCache(TransformersCache):
             nvalid[: valid.shape[0]] = valid
             self._valid[layer] = nvalid
 
+    def _span(self, columns: int) -> int:
+        """Columns attention sees for ``columns`` stored entries: rounded up to ``kv_align``
+        (the columns past the entries are masked)."""
+        return -(-columns // self.kv_align) * self.kv_align
+
     def _store(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
         """Called by attention layer ``layer_idx`` with new entries [B, H_kv, T, D]; returns
         what that layer attends to."""
@@ -206,8 +211,7 @@ class SharedCache(TransformersCache):
         if bsz != self.batch_size:
             raise ValueError(f"the forward has {bsz} rows but the cache holds {self.batch_size}")
         base = self.physical_length(layer_idx)
-        end = base + t
-        span = -(-end // self.kv_align) * self.kv_align  # columns attention sees (past the end: masked)
+        span = self._span(base + t)
         self._reserve(layer_idx, bsz, span, keys)
         self._k[layer_idx][:bsz, :, base : base + t] = keys
         self._v[layer_idx][:bsz, :, base : base + t] = values
@@ -335,7 +339,7 @@ class SharedCache(TransformersCache):
                 heads = seen.shape[1]
                 seen = seen.expand(bsz, heads, t, past)
                 parts = [seen, new.expand(bsz, heads, t, t)]
-                extra = -(-(past + t) // self.kv_align) * self.kv_align - (past + t)
+                extra = self._span(past + t) - (past + t)
                 if extra:  # the columns :meth:`_store` shows past the end to keep lengths aligned
                     parts.append(torch.zeros((bsz, heads, t, extra), dtype=torch.bool, device=device))
                 allowed = torch.cat(parts, dim=-1)

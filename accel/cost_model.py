@@ -205,12 +205,12 @@ def allocate_drafts(
     deepest = max(caps)
     if min_nodes < 1:
         raise ValueError(f"min_nodes must be >= 1, got {min_nodes}")
-    cost = table.curve(cache_len, rows * -(-(deepest + 1) // min_nodes) * min_nodes)
+    cost = table.curve(cache_len, rows * round_up(deepest + 1, min_nodes))
     best_ratio, best = rows / cost[rows * min_nodes], [0] * rows
     for m in range(1, deepest + 1):
         take = [b for b in range(rows) if caps[b] > 0 and prefix[b][min(m, caps[b])] > 0]
         while take:
-            width = -(-(min(m, max(caps[b] for b in take)) + 1) // min_nodes) * min_nodes
+            width = round_up(min(m, max(caps[b] for b in take)) + 1, min_nodes)
             value = rows + sum(prefix[b][min(m, caps[b])] for b in take)
             ratio = value / (cost[rows * width] + sum(fixed[b] for b in take))
             keep = [b for b in take if prefix[b][min(m, caps[b])] >= ratio * fixed[b]]
@@ -224,6 +224,11 @@ def allocate_drafts(
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple`` (the query tokens of a padded row)."""
+    return -(-n // multiple) * multiple
 
 
 def _check_axis(name: str, axis: tuple[int, ...]) -> None:

@@ -21,7 +21,7 @@ import torch
 from . import adapter, calibrate, invariance
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
-from .cost_model import CostTable, acceptance_gains, allocate_drafts
+from .cost_model import CostTable, acceptance_gains, allocate_drafts, round_up
 from .strategy import DraftContext, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
@@ -73,8 +73,8 @@ class Stats:
     first_token_s: float = 0.0
     latency_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)  # accepted drafts, per step
-    # False where low-precision verification could not be made batch-invariant on this
-    # machine (accel.invariance): greedy drafting may then differ from plain decoding
+    # False in low precision (accel.invariance): greedy drafting is padded to agree with plain
+    # decoding, but not claimed exact
     exact_verify: bool = True
 
     @property
@@ -236,7 +236,7 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
     single = isinstance(trees, DraftTree)
     trees = [trees] if single else list(trees)
     device = trees[0].tokens.device
-    t = -(-max(tree.num_nodes for tree in trees) // min_nodes) * min_nodes
+    t = round_up(max(tree.num_nodes for tree in trees), min_nodes)
     bsz = len(trees)
     # tokens appended since the last commit (a chain fed forward by forward) come first
     logical = [n + cache.pending_entries for n in cache.logical_lengths]
@@ -276,7 +276,7 @@ def verify_logits(model, cache: SharedCache, trees: Sequence[DraftTree], dtype: 
         flat = hidden.reshape(-1, hidden.shape[-1])
     else:
         flat = torch.cat([hidden[b, :c] for b, c in enumerate(counts)])
-    pad = -flat.shape[0] % min_nodes  # the output layer is a linear too: rows padded alike
+    pad = round_up(flat.shape[0], min_nodes) - flat.shape[0]  # the output layer is a linear too
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
     return hidden, adapter.output_logits(model, flat)[: sum(counts)]
@@ -412,15 +412,15 @@ class Batch:
         self.cache.kv_align = invariance.kv_align(model)
         self.rows: list[Row] = []
         self._min_nodes: int | None = None
-        self.exact = True
+        self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32)
 
     @property
     def min_nodes(self) -> int:
-        """Query tokens every row is padded to per step, so that each row's arithmetic is
-        the same whatever the trees around it (see :mod:`accel.invariance`; 1 in float32)."""
+        """Every row's tree is padded to a multiple of this many query tokens per step, so
+        that its arithmetic is the same whatever the trees around it (measured on first use,
+        see :mod:`accel.invariance`; 1 in float32)."""
         if self._min_nodes is None:
             self._min_nodes = invariance.verify_rows(self.model)
-            self.exact = invariance.is_exact(self.model)
         return self._min_nodes
 
     def __len__(self) -> int:
@@ -441,6 +441,7 @@ class Batch:
             acc = accept(root, logits[b : b + 1], row.warp, row.plan.rule, row.generator, top=[top[b]])
             row.stats.prompt_tokens = int(row.prompt.numel())
             row.stats.prefill_s = elapsed
+            row.stats.exact_verify = self.exact
             row.tokens = torch.cat([row.prompt, row.prompt.new_tensor([acc.next_token])])
             row.states = [d.start(self.model, row.prompt) for d in row.plan.drafters]
             row.hidden = hidden[b] if row.plan.needs_hidden else None
@@ -505,7 +506,6 @@ class Batch:
             s.drafted_tokens += tree.num_drafts
             s.accepted_tokens += acc.accepted
             s.accepted_per_step.append(acc.accepted)
-            s.exact_verify = s.exact_verify and self.exact
             if row.plan.drafters:
                 _feedback(row.plan, row.states, sources[b], acc)
                 row.observe(tree, acc, draft_s[b])

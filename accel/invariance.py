@@ -1,45 +1,44 @@
-"""Batch-invariant verification: each row's arithmetic independent of how many tokens are
-verified with it, so greedy speculative output equals plain decoding bit for bit.
+"""Padded verification for low precision: each row's arithmetic as independent as the CPU
+kernels allow of how many tokens are verified with it, so greedy drafting agrees with plain
+decoding in bfloat16 (agrees, not proven equal: see the end).
 
 A verify pass scores a row's draft tree in one forward; plain decoding scores one token per
 forward. Both compute the same function, but CPU kernels choose their blocking, and so their
-order of summation, by the number of rows they get. In float32 the difference is a few ulps
-and never flipped a greedy token in our tests; in bfloat16 it is ~1e-2 in the logits, and
-greedy prompt lookup on the default model differed from plain bf16 decoding on 1 of 3 chat
-prompts (Intel Xeon Ice Lake, torch 2.13).
+order of summation, by the shapes they get. In float32 the difference is a few ulps and never
+flipped a greedy token in our tests; in bfloat16 it is ~1e-2 in the logits, enough to flip
+greedy tokens.
 
-Measured on that machine (``python -m accel.invariance``): a bfloat16 ``F.linear`` gives one
-result per row for 1, for 2-3 and for 4 or more rows; CPU flash attention one for 1-2 and
-one for 3 or more query rows. Past those counts a row's result no longer depends on the
-others, as long as the count is a multiple of the kernels' tile (a row in a partial tile
-goes through another micro-kernel). So plain steps need not run differently: they only need
-*rows in whole tiles*. A verify pass pads every row's tree to a multiple of ``r`` query
-tokens (padding sees only itself and is dropped at commit), the output layer gets a multiple
-of ``r`` rows, and attention sees the cache's columns padded (masked) to a multiple of
-:data:`KV_ALIGN`: the last, partial block of keys is summed in another order than full ones,
-so without it a row's result depends on how many entries the other tokens added.
+Measured on an Intel Xeon (Ice Lake, torch 2.13; ``python -m accel.invariance`` prints the
+probe per setting): a bfloat16 ``F.linear`` gives one result per row for 1, for 2-3 and for 4
+or more rows, CPU flash attention one for 1-2 and one for 3 or more query rows, and a row in
+a partial tile of the kernel goes through another micro-kernel. The attention kernel also sums
+the last, partial block of keys in another order than full ones, so a row's result depended
+on how many entries the other tokens added. Hence, in low precision:
 
-The thresholds are the kernels' and differ between CPUs (AMX kernels switch elsewhere) and
-builds, so ``r`` is not a constant: :func:`verify_rows` measures it, once per model, dtype
-and thread count in a process, by checking that a chain of tokens verified as one tree,
-alongside another row with a tree of another size, gives bit-for-bit the logits of plain
-steps. About ten forwards of a 30-token prompt per candidate; the default model in bfloat16
-takes about a second.
+- a verify pass pads every row's tree to a multiple of ``r`` query tokens (padding sees only
+  itself and is dropped at commit), and the output layer gets a multiple of ``r`` rows
+  (``engine.verify(..., min_nodes=r)``);
+- attention sees each layer's cache columns padded (masked) to a multiple of
+  :data:`KV_ALIGN` (``SharedCache.kv_align``; the storage is zero-filled, nothing is copied).
 
-Float32 runs unpadded (``r = 1``, what ``model.generate`` computes, so plain accel still
-equals it token for token). Lower precision is labelled *approximate*: :func:`verify_rows`
-warns once per model and generate's stats say ``exact_verify=False`` (why: below).
+The thresholds are the kernels' and differ between CPUs and builds, so ``r`` is measured, not
+fixed: :func:`verify_rows` probes the candidates once per model, dtype and thread count in a
+process (:func:`probe`: plain steps against chains inside trees of 6 to 32 nodes, with and
+without siblings between the chain's nodes, and next to other rows; about forty short
+forwards per candidate, a few seconds for the default model in bfloat16). Float32 runs
+unpadded (``r = 1``, what ``model.generate`` computes, so plain accel still equals it token
+for token).
 
-What is left (Intel Xeon Ice Lake, torch 2.13, the default model in bf16): padding makes
-chains of drafts exact, but in a tree a node's own key sits after its siblings', not next to
-its ancestors' as in a plain step, and the CPU attention kernel's sum over keys depends on
-where the keys sit. So bf16 there is labelled approximate; measured agreement with plain bf16
-decoding (``python benchmarks/bf16_exactness.py``): prompt lookup 40/40 held-out chat
-prompts, Medusa 39/40 (32 new tokens each); the probe passes, so it does not see the
-layout that differed (a node four columns after its parent, across a 64-column block).
-Without the padding, 3 and 4 of 8 prompts differed. Exact trees need an attention whose sum runs in
-the order of logical positions (the cache part and each node's ancestors gathered in depth
-order, merged by log-sum-exp), not of cache columns.
+Low precision stays labelled *approximate* (one warning per model, ``exact_verify=False``
+in generate's stats). On that machine, with the default model in bf16, the probe passes at
+``r = 4``, yet a Medusa tree still differed: a depth-1 node four columns after its root,
+across a 64-column block, got other logits than the plain step at its position. In a tree a
+node's key sits after its siblings', not next to its ancestors' as in a plain step, and the
+attention kernel's sum over keys depends on where the keys sit. Agreement with plain bf16
+decoding is measured by ``python benchmarks/bf16_exactness.py`` (figures in
+docs/BENCHMARKS.md). Exact trees need an attention whose sum runs in the order of logical
+positions (the cache part, and each node's ancestors gathered in depth order, merged by
+log-sum-exp), not of cache columns.
 """
 
 from __future__ import annotations
@@ -69,7 +68,7 @@ _EXTRA = (0, 3, 11, 26)  # garbage nodes hung below the chain: trees of 6, 9, 17
 #: ``SharedCache.kv_align``).
 KV_ALIGN = 64
 
-_memo: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, tuple[int, bool]]]" = weakref.WeakKeyDictionary()
+_memo: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, int]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -82,20 +81,18 @@ def _fresh(model, geo, prompt: torch.Tensor, align: int) -> tuple[SharedCache, i
     return cache, int(adapter.output_logits(model, hidden).argmax(dim=-1)[0])
 
 
-def _garbage(n: int, vocab: int, device) -> list[int]:
+def _garbage(n: int, vocab: int) -> list[int]:
     return [(7919 * i + 13) % vocab for i in range(n)]
 
 
-def probe(model, rows: int, align: int = KV_ALIGN, prompts: Sequence[torch.Tensor] | None = None,
-          siblings: bool = True) -> bool:
+def probe(model, rows: int, align: int = KV_ALIGN, prompts: Sequence[torch.Tensor] | None = None) -> bool:
     """Whether verify passes padded to a multiple of ``rows`` query tokens per row, on a
     cache whose attention columns are aligned to ``align``, are batch-invariant for
     ``model`` on this machine: a row's logits are bit for bit the same whether it is verified
-    one token at a time, as a chain inside trees of 6 to 32 nodes, or next to other rows
-    whose trees have other sizes; each of ``prompts`` (default: random ones of 57, 17 and 90
-    tokens) is the first row once. With ``siblings`` also when the chain's nodes have
-    siblings between them (a node's key then sits apart from its ancestors' keys, as in
-    most draft trees); without, only for chains whose nodes come first."""
+    one token at a time, as a chain inside trees of 6 to 32 nodes (its nodes first, then
+    with siblings between them, as in most draft trees), or next to other rows whose trees
+    have other sizes; each of ``prompts`` (default: random ones of 57, 17 and 90 tokens) is
+    the first row once."""
     geo = adapter.geometry(model)
     vocab = int(model.get_output_embeddings().weight.shape[0])
     if prompts is None:
@@ -103,11 +100,10 @@ def probe(model, rows: int, align: int = KV_ALIGN, prompts: Sequence[torch.Tenso
         prompts = [torch.randint(0, vocab, (n,), generator=gen).to(geo.device) for n in _PROMPTS]
     prompts = list(prompts)
     with adapter.packed_gqa_attention(model), torch.inference_mode():
-        return all(_probe_row(model, geo, vocab, rows, align, prompts[i:] + prompts[:i], siblings)
-                   for i in range(len(prompts)))
+        return all(_probe_row(model, geo, vocab, rows, align, prompts[i:] + prompts[:i]) for i in range(len(prompts)))
 
 
-def _probe_row(model, geo, vocab: int, rows: int, align: int, prompts: list[torch.Tensor], siblings: bool) -> bool:
+def _probe_row(model, geo, vocab: int, rows: int, align: int, prompts: list[torch.Tensor]) -> bool:
     from .engine import verify_logits
 
     groups = geo.num_heads // geo.num_kv_heads
@@ -128,30 +124,28 @@ def _probe_row(model, geo, vocab: int, rows: int, align: int, prompts: list[torc
         toks.append(int(logits[0].argmax()))
         cache.commit([[0]])
     for extra in _EXTRA:  # the same tokens as one chain, with garbage siblings
-        tokens = torch.tensor(toks[1:_STEPS] + _garbage(extra, vocab, geo.device), device=geo.device)
+        tokens = torch.tensor(toks[1:_STEPS] + _garbage(extra, vocab), device=geo.device)
         parents = torch.tensor(list(range(_STEPS - 1)) + [0] * extra, device=geo.device)
-        tree = DraftTree.from_proposal(toks[0], DraftProposal(tokens=tokens, parents=parents))
-        logits = logits_of([tree])
+        widest = DraftTree.from_proposal(toks[0], DraftProposal(tokens=tokens, parents=parents))
+        logits = logits_of([widest])
         if not all(torch.equal(logits[i], plain[i]) for i in range(_STEPS)):
             return False
     chain = DraftTree.chain(toks[0], toks[1:_STEPS], device=geo.device)
     root = DraftTree.root_only(toks[0], device=geo.device)
 
     def other(i: int, nodes: int) -> DraftTree:
-        return DraftTree.chain(int(prompts[i][-1]), _garbage(nodes - 1, vocab, geo.device), device=geo.device)
+        return DraftTree.chain(int(prompts[i][-1]), _garbage(nodes - 1, vocab), device=geo.device)
 
-    for trees in ([chain, other(1, 17)], [root, other(1, 11)], [tree, other(1, 5), other(2, 1)]):
+    for trees in ([chain, other(1, 17)], [root, other(1, 11)], [widest, other(1, 5), other(2, 1)]):
         logits = logits_of(trees)  # next to other rows with other trees
         if not all(torch.equal(logits[i], plain[i]) for i in range(min(trees[0].num_nodes, _STEPS))):
             return False
-    if not siblings:
-        return True
     # a draft tree's usual layout: a sibling sits between each node and its parent, so the
     # node's own key is not next to its ancestors' (plain decoding: always next to them)
     tokens, parents, at = [], [], [0]
     for i in range(1, _STEPS):
         gap = (3, 1, 2, 0, 3)[(i - 1) % 5]
-        tokens += _garbage(gap, vocab, geo.device)
+        tokens += _garbage(gap, vocab)
         parents += [at[-1]] * gap
         tokens.append(toks[i])
         parents.append(at[-1])
@@ -176,7 +170,7 @@ def verify_rows(model, candidates: Sequence[int] = CANDIDATES) -> int:
         known = _memo.setdefault(model, {})
         if key not in known:
             full = next((r for r in candidates if probe(model, r, KV_ALIGN)), None)
-            known[key] = (full if full is not None else 1, full is not None)
+            known[key] = full if full is not None else 1
             warnings.warn(
                 f"accel: {geo.dtype} verification of {type(model).__name__} is approximate: "
                 + (f"padded to {full} query rows per step it passed the invariance probe, but draft trees can "
@@ -186,8 +180,7 @@ def verify_rows(model, candidates: Sequence[int] = CANDIDATES) -> int:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        rows, _ = known[key]
-    return rows
+        return known[key]
 
 
 def kv_align(model) -> int:
@@ -195,16 +188,11 @@ def kv_align(model) -> int:
     return 1 if adapter.geometry(model).dtype == torch.float32 else KV_ALIGN
 
 
-def is_exact(model, candidates: Sequence[int] = CANDIDATES) -> bool:
+def is_exact(model) -> bool:
     """Whether accel claims greedy drafting exact for ``model``: True in float32 (tested,
     not probed); False in lower precision, where the padding makes drafts agree with plain
     decoding on chains and on what the probe tries, but not on every tree layout."""
-    geo = adapter.geometry(model)
-    if geo.dtype == torch.float32:
-        return True
-    verify_rows(model, candidates)
-    key = (geo.dtype, geo.device, torch.get_num_threads(), tuple(candidates))
-    return False  # the probe passing is not a proof for every tree: see the module docstring
+    return adapter.geometry(model).dtype == torch.float32  # a passing probe is no proof for every tree
 
 
 def _main() -> None:  # python -m accel.invariance [dtype]: which row counts are invariant here

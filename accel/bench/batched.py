@@ -218,6 +218,24 @@ def _schedule_times(requests: int, interval_s: float) -> list[float]:
     return [k * interval_s for k in range(requests)]
 
 
+def _client(t0: float, offsets: list[float], submitted: list[float | None],
+            submit: Callable[[int], None]) -> threading.Thread:
+    """A started client thread that calls ``submit(k)`` at ``t0 + offsets[k]`` (perf-counter
+    seconds), stamping ``submitted[k]`` just before."""
+
+    def replay() -> None:
+        for k, at in enumerate(offsets):
+            wait = t0 + at - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+            submitted[k] = time.perf_counter()
+            submit(k)
+
+    thread = threading.Thread(target=replay, name="bench-client", daemon=True)
+    thread.start()
+    return thread
+
+
 def hf_static_batches(model: Any, eos: list[int], pad: int) -> Callable[[list[TaskItem], Arrivals, int], BatchMeasurement]:
     """Arrivals for ``model.generate``: static batching.
 
@@ -433,17 +451,8 @@ def cb_arrivals(model: Any, eos: list[int], pad: int, spec: HFGenerateBatch) -> 
         with _cb_manager(model, eos, pad, spec, [i.prompt_tokens for i in items], max_new_tokens,
                          arrivals.max_batch or len(items)) as (manager, overhead):
             t0 = time.perf_counter()
-
-            def client() -> None:
-                for k, item in enumerate(items):
-                    wait = t0 + offsets[k] - time.perf_counter()
-                    if wait > 0:
-                        time.sleep(wait)
-                    submitted[k] = time.perf_counter()
-                    _cb_submit(manager, k, item, max_new_tokens, errors)
-
-            thread = threading.Thread(target=client, name="bench-client", daemon=True)
-            thread.start()
+            thread = _client(t0, offsets, submitted,
+                             lambda k: _cb_submit(manager, k, items[k], max_new_tokens, errors))
             finished = _cb_collect(manager, errors, thread)
             thread.join()
             end = max((t for _, t in finished.values()), default=time.perf_counter())
@@ -514,26 +523,18 @@ def accel_arrivals(model: Any, strategies: list[Strategy], eos: list[int],
 
         with accel.Engine(model, strategies=strategies, max_batch=max_batch, eos_token_id=eos,
                           max_draft_tokens=max_draft) as engine:
+            def submit(k: int) -> None:
+                try:
+                    handle = engine.submit(items[k].input_ids[0], max_new_tokens=max_new_tokens)
+                except Exception as err:
+                    errors[k] = _error(err)
+                    return
+                thread = threading.Thread(target=consume, args=(k, handle), name=f"bench-consumer-{k}", daemon=True)
+                consumers.append(thread)
+                thread.start()
+
             t0 = time.perf_counter()
-
-            def client() -> None:
-                for k, item in enumerate(items):
-                    wait = t0 + offsets[k] - time.perf_counter()
-                    if wait > 0:
-                        time.sleep(wait)
-                    try:
-                        submitted[k] = time.perf_counter()
-                        handle = engine.submit(item.input_ids[0], max_new_tokens=max_new_tokens)
-                    except Exception as err:
-                        errors[k] = _error(err)
-                        continue
-                    thread = threading.Thread(target=consume, args=(k, handle), name=f"bench-consumer-{k}", daemon=True)
-                    consumers.append(thread)
-                    thread.start()
-
-            producer = threading.Thread(target=client, name="bench-client", daemon=True)
-            producer.start()
-            producer.join()
+            _client(t0, offsets, submitted, submit).join()
             for thread in consumers:
                 thread.join()
             end = max((t for t in ended if t is not None), default=time.perf_counter())
