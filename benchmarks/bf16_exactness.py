@@ -97,8 +97,10 @@ def main() -> None:
     args = parser.parse_args()
     model, tok = load_default(dtype=torch.bfloat16)
     rows = invariance.verify_rows(model)  # probed once, before anything is timed
-    print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; bf16 verify padded to a "
-          f"multiple of {rows} rows and {invariance.kv_align(model)} columns", flush=True)
+    setting = (f"padded to a multiple of {rows} rows and {invariance.kv_align(model)} columns" if not args.unpadded
+               else f"unpadded (the probe chose {rows} rows)")
+    print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; bf16 verify {setting}",
+          flush=True)
     if args.mode == "cost":
         cost(model, tok, held_out_prompts()[: args.prompts or 8], args.new or 64)
     else:
