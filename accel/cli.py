@@ -87,7 +87,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     machine = key["machine"]
     console.print(f"model {args.model} ({key['model']['class']}), {key['device']['type']} {key['dtype']}, "
                   f"{key['threads']} threads, {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}")
-    console.print(f"prefer_prepack: {table.prefer_prepack}")
+    console.print(f"prefer_prepack: {table.prefer_prepack} (linear kernels: {table.kernels})")
     if table.load is not None and table.load > (machine["cores"] or 1):
         console.print(f"[yellow]warning: the load average was {table.load:.1f} on {machine['cores']} cores while "
                       f"measuring; the timings are disturbed (rerun with --force on a quieter machine)[/yellow]")

@@ -1,14 +1,15 @@
 """What a verify step costs and how many draft tokens each row should verify: pure functions.
 
 A :class:`CostTable` holds the time of one verify forward pass (decoder stack plus output
-head) measured on this machine at a small grid of query tokens x cache lengths, and the time
-of a few passes with plain and with oneDNN-packed linear kernels. :mod:`accel.calibrate`
-measures and caches it; nothing here times anything, so tests drive the choices with hand-made
-tables.
+head) measured on this machine at a small grid of query tokens x cache lengths, with plain
+and with oneDNN-packed linear kernels. :mod:`accel.calibrate` measures and caches it; nothing
+here times anything, so tests drive the choices with hand-made tables.
 
-- :meth:`CostTable.step_ms` interpolates the grid piecewise-linearly (and extrapolates
-  linearly beyond it).
-- :attr:`CostTable.prefer_prepack` says whether packed kernels won on this machine.
+- :attr:`CostTable.packed_rows` is the window of query tokens per pass (rows of every linear
+  layer) where packed kernels won on this machine, or None; ``accel.load_model`` packs the
+  model to run packed inside it (:func:`accel.cpu.prepack`), plain outside.
+- :meth:`CostTable.step_ms` interpolates the grid of the kernels so chosen piecewise-linearly
+  (and extrapolates linearly beyond it).
 - :func:`allocate_drafts` splits a step's draft tokens over the rows of a batch so that the
   expected tokens per millisecond are highest.
 - :func:`acceptance_gains` is the expected gain of each draft token of a chain.
@@ -21,7 +22,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CostTable", "acceptance_gains", "allocate_drafts", "packed_is_faster", "static_table"]
+__all__ = ["CostTable", "acceptance_gains", "allocate_drafts", "in_window", "packed_rows", "static_table"]
 
 KERNELS = ("plain", "packed")
 
@@ -32,9 +33,10 @@ class CostTable:
 
     tokens: query tokens of one pass, ascending (e.g. 1, 2, 4, ..., 64).
     cache_lens: cached entries each query attends over, ascending (e.g. 256, 2048).
-    ms: [len(cache_lens)][len(tokens)] median milliseconds of one pass, run with ``kernels``.
-    kernels: the linear kernels the grid was measured with, ``"plain"`` or ``"packed"``.
-    kernel_tokens: query tokens of the plain-vs-packed comparison passes.
+    ms: [len(cache_lens)][len(tokens)] median milliseconds of one pass, each run with the
+        kernels :attr:`packed_rows` chooses for its token count (made non-decreasing).
+    kernel_tokens: query tokens of the plain-vs-packed comparison passes (the measurement
+        uses ``tokens``).
     kernel_ms: kernel name -> [len(cache_lens)][len(kernel_tokens)] median ms; only kernels
         this model can run appear (no ``"packed"`` off a float32 CPU model).
     measured: False for :func:`static_table` (nominal units, shape only, not milliseconds).
@@ -44,7 +46,6 @@ class CostTable:
     tokens: tuple[int, ...]
     cache_lens: tuple[int, ...]
     ms: tuple[tuple[float, ...], ...]
-    kernels: str = "plain"
     kernel_tokens: tuple[int, ...] = ()
     kernel_ms: dict[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
     measured: bool = True
@@ -56,8 +57,6 @@ class CostTable:
         _check_axis("tokens", self.tokens)
         _check_axis("cache_lens", self.cache_lens)
         _check_grid("ms", self.ms, len(self.cache_lens), len(self.tokens))
-        if self.kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.kernel_ms:
             _check_axis("kernel_tokens", self.kernel_tokens)
         for name, grid in self.kernel_ms.items():
@@ -82,11 +81,29 @@ class CostTable:
         return [_interp(self.cache_lens, [r[t] for r in self.ms], cache_len) for t in range(len(self.tokens))]
 
     @property
+    def packed_rows(self) -> tuple[int, int | None] | None:
+        """The query tokens per pass, ``(fewest, most)`` (most None: no limit), for which
+        packed linear kernels beat plain ones here (see :func:`packed_rows`), or None where
+        they never do."""
+        return packed_rows(self.kernel_tokens, self.kernel_ms)
+
+    @property
     def prefer_prepack(self) -> bool:
-        """Whether packed linear kernels (:func:`accel.cpu.prepack`) beat plain ones here:
-        true only if they were measured and faster at every compared pass (a tie or a mixed
-        result keeps the plain kernels, which need no second copy of the weights)."""
-        return packed_is_faster(self.kernel_ms)
+        """Whether to pack the model's linear layers (:func:`accel.cpu.prepack`) at all: packed
+        kernels won for the passes of :attr:`packed_rows`."""
+        return self.packed_rows is not None
+
+    @property
+    def kernels(self) -> str:
+        """Which kernels the grid's passes ran with: ``"plain"``, ``"packed"``, or e.g.
+        ``"packed for 4-32 tokens, plain otherwise"``."""
+        window = self.packed_rows
+        if window is None:
+            return "plain"
+        lo, hi = window
+        if lo <= self.tokens[0] and hi is None:
+            return "packed"
+        return f"packed for {lo}-{hi if hi is not None else 'any'} tokens, plain otherwise"
 
     # ------------------------------------------------------------------ JSON
 
@@ -95,7 +112,6 @@ class CostTable:
             "tokens": list(self.tokens),
             "cache_lens": list(self.cache_lens),
             "ms": [list(r) for r in self.ms],
-            "kernels": self.kernels,
             "kernel_tokens": list(self.kernel_tokens),
             "kernel_ms": {k: [list(r) for r in g] for k, g in self.kernel_ms.items()},
             "measured": self.measured,
@@ -112,7 +128,6 @@ class CostTable:
             tokens=tuple(int(x) for x in d["tokens"]),
             cache_lens=tuple(int(x) for x in d["cache_lens"]),
             ms=tuple(tuple(float(x) for x in r) for r in d["ms"]),
-            kernels=str(d["kernels"]),
             kernel_tokens=tuple(int(x) for x in d.get("kernel_tokens", ())),
             kernel_ms={str(k): tuple(tuple(float(x) for x in r) for r in g) for k, g in d.get("kernel_ms", {}).items()},
             measured=bool(d["measured"]),
@@ -122,13 +137,43 @@ class CostTable:
         )
 
 
-def packed_is_faster(kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> bool:
-    """Whether ``kernel_ms["packed"]`` is below ``kernel_ms["plain"]`` at every compared pass
-    (False when either is missing)."""
+def packed_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple[float, ...], ...]]
+                ) -> tuple[int, int | None] | None:
+    """The window of ``kernel_tokens`` where ``kernel_ms["packed"]`` is below
+    ``kernel_ms["plain"]`` at every cache length: ``(fewest, most)``, ``most`` None when the
+    window reaches the largest measured count (it then goes on past the grid). The longest run
+    of consecutive winning counts (the larger one on a tie); None when packed never wins or
+    either kernel is missing.
+
+    One window, not a pattern: oneDNN's packed layout pays once a call multiplies enough
+    rows to amortise it, until the plain GEMM's own blocking takes over for many rows; a
+    lone count where packed wins amid ones where it loses is noise."""
     packed, plain = kernel_ms.get("packed"), kernel_ms.get("plain")
     if not packed or not plain:
-        return False
-    return all(p < q for prow, qrow in zip(packed, plain) for p, q in zip(prow, qrow))
+        return None
+    wins = [all(prow[t] < qrow[t] for prow, qrow in zip(packed, plain)) for t in range(len(kernel_tokens))]
+    best: tuple[int, int] | None = None  # (first index, last index)
+    t = 0
+    while t < len(wins):
+        if not wins[t]:
+            t += 1
+            continue
+        end = t
+        while end + 1 < len(wins) and wins[end + 1]:
+            end += 1
+        if best is None or end - t >= best[1] - best[0]:
+            best = (t, end)
+        t = end + 1
+    if best is None:
+        return None
+    last = None if best[1] == len(kernel_tokens) - 1 else kernel_tokens[best[1]]
+    return kernel_tokens[best[0]], last
+
+
+def in_window(n: int, window: tuple[int, int | None] | None) -> bool:
+    """Whether a pass of ``n`` query tokens runs packed kernels under ``window``
+    (:func:`packed_rows`)."""
+    return window is not None and n >= window[0] and (window[1] is None or n <= window[1])
 
 
 def static_table() -> CostTable:
@@ -141,7 +186,6 @@ def static_table() -> CostTable:
         cache_lens=(256, 2048),
         ms=((1.0, 1.05, 1.1, 1.25, 1.5, 2.0, 3.0),
             (1.0, 1.1, 1.2, 1.45, 1.9, 2.8, 4.6)),
-        kernels="plain",
         measured=False,
     )
 

@@ -10,7 +10,11 @@ step instead of 1.42-1.64x (two runs of ``python benchmarks/verify_cost.py --con
 :func:`prepack` swaps every float32 ``nn.Linear`` of a model for a :class:`PackedLinear`
 in place. The module keeps its ``weight`` parameter (state dicts, tied embeddings and
 training are unchanged) and holds the packed copy besides it, so it costs one more copy
-of the linear weights in memory. Call it once after loading; ``model.generate`` and
+of the linear weights in memory. Whether packing pays depends on the CPU and on how many
+rows a call multiplies (on a 2-core Intel Xeon without AMX, plain kernels win for one or
+two rows and for 64, packed ones from 4 to 32 rows), so a layer runs packed only for inputs
+of ``min_rows`` to ``max_rows`` rows and plain otherwise; :func:`accel.calibrate.cost_table`
+measures where packing wins and ``accel.load_model`` packs with that window. Call it once after loading; ``model.generate`` and
 ``accel.generate`` then run the same kernels, so plain accel decoding still equals
 ``model.generate`` token for token. Results differ from the unpacked model only by float32
 rounding (the kernels sum in another order).
@@ -77,12 +81,13 @@ class PackedLinear(nn.Module):
     any other runs as ``F.linear``.
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
+    def __init__(self, linear: nn.Linear, min_rows: int = 1, max_rows: int | None = None) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
+        self.min_rows, self.max_rows = _check_rows(min_rows, max_rows)
         self._repack()
 
     @classmethod
@@ -94,6 +99,7 @@ class PackedLinear(nn.Module):
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = int(weight.shape[1]), int(weight.shape[0])
         layer.weight, layer.bias = weight, bias
+        layer.min_rows, layer.max_rows = 1, None
         layer._repack()
         return layer
 
@@ -129,25 +135,31 @@ class PackedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self._usable(x):
+        rows = x.numel() // max(self.in_features, 1)
+        if rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows) or not self._usable(x):
             return nn.functional.linear(x, self.weight, self.bias)
         out = _packed_linear(x.reshape(-1, self.in_features), self._packed, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " + (
-            "packed" if self._packed is not None else "not packed")
+            (f"packed for {self.min_rows}-{self.max_rows or 'any'} rows" if self._packed is not None else "not packed"))
 
 
-def prepack(model: nn.Module) -> nn.Module:
+def prepack(model: nn.Module, min_rows: int = 1, max_rows: int | None = None) -> nn.Module:
     """Swap each float32 CPU ``nn.Linear`` of ``model`` (output head included) for a
-    :class:`PackedLinear`, in place, and return ``model``.
+    :class:`PackedLinear` that runs packed for inputs of ``min_rows`` to ``max_rows`` rows
+    (the defaults: always) and plain otherwise, in place, and return ``model``.
 
     A no-op where :func:`prepack_available` is false; layers on another device or dtype are
-    left alone. Calling it again does nothing more.
+    left alone. Calling it again on a packed model only sets the window of rows.
     """
+    _check_rows(min_rows, max_rows)
     if not prepack_available():
         return model
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.min_rows, m.max_rows = min_rows, max_rows
     targets = [
         (name, m)
         for name, m in model.named_modules()
@@ -156,8 +168,19 @@ def prepack(model: nn.Module) -> nn.Module:
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module))
+        setattr(parent, child, PackedLinear(module, min_rows, max_rows))
     return model
+
+
+def _check_rows(min_rows: int, max_rows: int | None) -> tuple[int, int | None]:
+    def whole(n) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+
+    if not whole(min_rows):
+        raise ValueError(f"min_rows must be an integer >= 1, got {min_rows!r}")
+    if max_rows is not None and not (whole(max_rows) and max_rows >= min_rows):
+        raise ValueError(f"max_rows must be None or an integer >= min_rows ({min_rows}), got {max_rows!r}")
+    return min_rows, max_rows
 
 
 def is_prepacked(model: nn.Module) -> bool:

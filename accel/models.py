@@ -524,7 +524,9 @@ def load_default(
     ``prepack`` (float32 on a CPU): lay the linear weights out once for oneDNN, see
     :func:`accel.cpu.prepack` (``model.generate`` runs the same kernels). ``"auto"`` (the
     default) packs only where this machine's calibration (:func:`accel.calibrate.cost_table`)
-    measured packed passes faster; whether they are depends on the CPU.
+    measured packed passes faster, and only for passes of as many query tokens as it measured
+    them faster for (batched and drafting steps, often not a single-row decode step); it
+    depends on the CPU.
     """
     gguf = default_gguf_path()
     model, tokenizer = _load_converted(gguf, default_checkpoint_dir(), DEFAULT_MODEL_NAME, dtype, device, attn_implementation)
@@ -532,9 +534,11 @@ def load_default(
 
 
 def _prepacked(model, prepack: bool | Literal["auto"]):
-    """Pack ``model``'s linear layers if ``prepack`` is True, or if it is ``"auto"`` and the
-    calibration of this model on this machine prefers packed kernels (measured on first use,
-    then cached; with ``ACCEL_CALIBRATION=off`` nothing is packed)."""
+    """Pack ``model``'s linear layers if ``prepack`` is True (packed for every call), or if it
+    is ``"auto"`` and the calibration of this model on this machine measured packed kernels
+    faster for passes of some numbers of query tokens (measured on first use, then cached):
+    then they run packed for those and plain otherwise (:attr:`CostTable.packed_rows`). With
+    ``ACCEL_CALIBRATION=off`` nothing is packed."""
     from .cpu import prepack as _prepack
     from .cpu import prepack_available
 
@@ -544,12 +548,11 @@ def _prepacked(model, prepack: bool | Literal["auto"]):
             return model  # nothing to pack: no need to measure
         from .calibrate import cost_table
 
-        prepack = cost_table(model).prefer_prepack
-    elif not isinstance(prepack, bool):
+        window = cost_table(model).packed_rows
+        return model if window is None else _prepack(model, min_rows=window[0], max_rows=window[1])
+    if not isinstance(prepack, bool):
         raise ValueError(f"prepack must be True, False or 'auto', got {prepack!r}")
-    if prepack:
-        _prepack(model)
-    return model
+    return _prepack(model) if prepack else model
 
 
 # --------------------------------------------------------------------------------------------

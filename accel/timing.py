@@ -21,18 +21,16 @@ import torch
 
 from . import adapter
 from .cache import SharedCache
-from .cost_model import CostTable, packed_is_faster
+from .cost_model import CostTable, in_window, packed_rows
 from .cpu import PackedLinear, is_prepacked, prepack, prepack_available, unprepack
 
-__all__ = ["DEFAULT_CACHE_LENS", "DEFAULT_KERNEL_TOKENS", "DEFAULT_TOKENS", "filled_cache", "linear_kernels",
+__all__ = ["DEFAULT_CACHE_LENS", "DEFAULT_TOKENS", "filled_cache", "linear_kernels",
            "measure", "time_pass"]
 
 #: Query tokens per pass of the measured grid.
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 #: Cached entries of the measured grid.
 DEFAULT_CACHE_LENS = (256, 2048)
-#: Query tokens of the plain-vs-packed kernel comparison (a decode step and a short chain).
-DEFAULT_KERNEL_TOKENS = (1, 8)
 
 
 @contextmanager
@@ -46,6 +44,7 @@ def linear_kernels(model) -> Iterator[Callable[[bool], None]]:
     was = is_prepacked(model)
     other = prepack if not was else unprepack
     before = _linears(model)
+    windows = {n: (m.min_rows, m.max_rows) for n, m in before.items() if isinstance(m, PackedLinear)}
     other(model)
     after = _linears(model)
     names = [n for n in before if before[n] is not after.get(n, before[n])]
@@ -53,6 +52,9 @@ def linear_kernels(model) -> Iterator[Callable[[bool], None]]:
 
     def use(packed: bool) -> None:
         chosen = packed_mods if packed else plain_mods
+        for m in packed_mods.values():  # packed means packed for every pass, whatever the window was
+            if isinstance(m, PackedLinear):
+                m.min_rows, m.max_rows = 1, None
         for name in names:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -62,6 +64,8 @@ def linear_kernels(model) -> Iterator[Callable[[bool], None]]:
         yield use
     finally:
         use(was)
+        for name, (lo, hi) in windows.items():
+            before[name].min_rows, before[name].max_rows = lo, hi
 
 
 def _linears(model) -> dict[str, torch.nn.Module]:
@@ -115,34 +119,30 @@ def measure(
     model,
     tokens: tuple[int, ...] = DEFAULT_TOKENS,
     cache_lens: tuple[int, ...] = DEFAULT_CACHE_LENS,
-    kernel_tokens: tuple[int, ...] = DEFAULT_KERNEL_TOKENS,
     repeats: int = 3,
     budget_s: float = 20.0,
 ) -> CostTable:
     """Measure a :class:`CostTable` for ``model`` (no cache files involved).
 
-    First plain against packed kernels at ``kernel_tokens`` x ``cache_lens`` (packed only
-    where :func:`accel.cpu.prepack` applies: float32 on a CPU), in alternating rounds so that
-    both see the same machine load; packed wins only if faster at every point. Then the grid
-    ``tokens`` x ``cache_lens`` with the winning kernels, made non-decreasing in both (see
-    :func:`_monotone`). Each point is the median of ``repeats`` passes after a warm-up; once
-    ``budget_s`` seconds have gone, the remaining points take one pass each (filling the
-    caches is not bounded). Cache lengths are capped so every pass fits the model's positions.
+    Every point of the grid ``tokens`` x ``cache_lens`` is timed with plain and with packed
+    kernels (packed only where :func:`accel.cpu.prepack` applies: float32 on a CPU), in
+    alternating rounds so that both see the same machine load. The window where packed ones
+    win (:func:`accel.cost_model.packed_rows`) decides which kernels each token count runs with,
+    and the grid keeps those times, made non-decreasing in both axes (see :func:`_monotone`).
+    Each point is the median of ``1 + repeats`` passes, the first after a warm-up; once
+    ``budget_s`` seconds have gone, no further round starts (filling the caches is not
+    bounded). Cache lengths are capped so every pass fits the model's positions.
     """
     start = time.perf_counter()
     load = _load_average()
-    tokens, kernel_tokens = tuple(sorted(set(tokens))), tuple(sorted(set(kernel_tokens)))
-    cache_lens = _fit_positions(model, cache_lens, max(tokens + kernel_tokens))
+    tokens = tuple(sorted(set(tokens)))
+    cache_lens = _fit_positions(model, cache_lens, max(tokens))
     caches = [filled_cache(model, n, seed=i) for i, n in enumerate(cache_lens)]
-
-    def reps() -> int:
-        return max(1, repeats) if time.perf_counter() - start < budget_s else 1
-
     param = next(model.parameters())
     names = ["plain"]
     if param.device.type == "cpu" and param.dtype == torch.float32 and prepack_available():
         names.append("packed")
-    points = [(c, t) for c in range(len(caches)) for t in kernel_tokens]
+    points = [(c, t) for c in range(len(caches)) for t in range(len(tokens))]
     samples: dict[str, dict] = {name: {p: [] for p in points} for name in names}
     with linear_kernels(model) as use:
         # plain and packed passes alternate, so a load that comes and goes hits both alike
@@ -152,15 +152,16 @@ def measure(
             for name in names:
                 use(name == "packed")
                 for c, t in points:
-                    samples[name][(c, t)] += time_pass(model, caches[c], t, repeats=1, warmup=1 if round_ == 0 else 0)
-        kernel_ms = {name: tuple(tuple(statistics.median(samples[name][(c, t)]) for t in kernel_tokens)
-                                 for c in range(len(caches))) for name in names}
-        kernels = "packed" if packed_is_faster(kernel_ms) else "plain"
-        use(kernels == "packed")
-        ms = [[statistics.median(time_pass(model, cache, t, reps())) for t in tokens] for cache in caches]
-    return CostTable(tokens=tokens, cache_lens=cache_lens, ms=_monotone(ms), kernels=kernels,
-                     kernel_tokens=kernel_tokens, kernel_ms=kernel_ms, measured=True,
-                     seconds=round(time.perf_counter() - start, 2), load=_max(load, _load_average()))
+                    samples[name][(c, t)] += time_pass(model, caches[c], tokens[t], repeats=1,
+                                                       warmup=1 if round_ == 0 else 0)
+    kernel_ms = {name: tuple(tuple(statistics.median(samples[name][(c, t)]) for t in range(len(tokens)))
+                             for c in range(len(caches))) for name in names}
+    window = packed_rows(tokens, kernel_ms)
+    chosen = ["packed" if in_window(n, window) else "plain" for n in tokens]
+    ms = [[kernel_ms[chosen[t]][c][t] for t in range(len(tokens))] for c in range(len(caches))]
+    return CostTable(tokens=tokens, cache_lens=cache_lens, ms=_monotone(ms), kernel_tokens=tokens,
+                     kernel_ms=kernel_ms, measured=True, seconds=round(time.perf_counter() - start, 2),
+                     load=_max(load, _load_average()))
 
 
 def _monotone(ms: list[list[float]]) -> tuple[tuple[float, ...], ...]:

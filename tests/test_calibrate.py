@@ -10,8 +10,8 @@ import torch
 
 from accel import calibrate, timing
 from accel.cli import main
-from accel.cost_model import CostTable, acceptance_gains, allocate_drafts, static_table
-from accel.cpu import is_prepacked, prepack, prepack_available
+from accel.cost_model import CostTable, acceptance_gains, allocate_drafts, in_window, static_table
+from accel.cpu import PackedLinear, is_prepacked, prepack, prepack_available
 from accel.models import _prepacked, load_model
 from helpers import make_tiny_model
 
@@ -43,12 +43,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def fake_measure(calls: list | None = None, prefer_prepack: bool = False):
+def fake_measure(calls: list | None = None, packed: tuple[int, ...] = ()):
+    """A stand-in for timing.measure whose packed kernels win at the ``packed`` ones of its
+    token counts (1, 8, 64)."""
     def measure(model, **kwargs):
         if calls is not None:
             calls.append(kwargs)
-        kernel_ms = {"plain": ((2.0,),), "packed": ((1.0 if prefer_prepack else 3.0,),)}
-        return table([1, 8], [1.0, 2.0], kernel_tokens=(1,), kernel_ms=kernel_ms)
+        tokens = (1, 8, 64)
+        kernel_ms = {"plain": ((2.0,) * 3,), "packed": (tuple(1.0 if n in packed else 3.0 for n in tokens),)}
+        return table(tokens, [1.0, 2.0, 3.0], kernel_tokens=tokens, kernel_ms=kernel_ms)
 
     return measure
 
@@ -159,22 +162,39 @@ def test_step_ms_interpolates_and_extrapolates_linearly():
     dict(tokens=(1, 2), ms=((1.0,),)),
     dict(tokens=(1, 2), ms=((1.0, 0.0),)),
     dict(tokens=(1, 2), ms=((1.0, float("nan")),)),
-    dict(tokens=(1, 2), ms=((1.0, 2.0),), kernels="fast"),
+    dict(tokens=(1, 2), ms=((1.0, 2.0),), kernel_tokens=(1,), kernel_ms={"fast": ((1.0,),)}),
 ])
 def test_malformed_tables_are_refused(bad):
     with pytest.raises(ValueError):
         CostTable(cache_lens=(256,), **bad)
 
 
-def test_prefer_prepack_only_when_packed_wins_everywhere():
-    def with_kernels(plain, packed):
-        kernel_ms = {"plain": (tuple(plain),)} | ({"packed": (tuple(packed),)} if packed else {})
-        return table([1, 8], [1.0, 2.0], kernel_tokens=(1, 8), kernel_ms=kernel_ms)
+def test_packed_rows_is_the_window_where_packed_kernels_win():
+    tokens = (1, 4, 8, 64)
 
-    assert with_kernels([10.0, 20.0], [8.0, 15.0]).prefer_prepack
-    assert not with_kernels([10.0, 20.0], [8.0, 25.0]).prefer_prepack  # mixed: the safe choice
-    assert not with_kernels([10.0, 20.0], [15.0, 30.0]).prefer_prepack
-    assert not with_kernels([10.0, 20.0], None).prefer_prepack
+    def with_kernels(plain, packed, second=None):
+        grids = {"plain": (tuple(plain),) * (2 if second else 1)}
+        if packed:
+            grids["packed"] = (tuple(packed),) + ((tuple(second),) if second else ())
+        return table(tokens, [1.0, 2.0, 3.0, 4.0], cache_lens=(256, 2048)[: 2 if second else 1],
+                     kernel_tokens=tokens, kernel_ms=grids)
+
+    plain = [10.0, 20.0, 30.0, 40.0]
+    everywhere = with_kernels(plain, [8.0, 15.0, 25.0, 35.0])
+    assert everywhere.packed_rows == (1, None) and everywhere.prefer_prepack and everywhere.kernels == "packed"
+    # the Intel Xeon's shape: plain wins for one row and for many, packed in between
+    intel = with_kernels(plain, [12.0, 15.0, 25.0, 45.0])
+    assert intel.packed_rows == (4, 8) and intel.kernels == "packed for 4-8 tokens, plain otherwise"
+    assert with_kernels(plain, [12.0, 15.0, 25.0, 35.0]).packed_rows == (4, None)  # on past the grid
+    assert with_kernels(plain, [8.0, 25.0, 25.0, 35.0]).packed_rows == (8, None)  # the longest run wins
+    assert with_kernels(plain, [8.0, 25.0, 35.0, 35.0]).packed_rows == (64, None)  # a tie: the larger
+    # every cache length must agree
+    assert with_kernels(plain, [8.0, 15.0, 25.0, 35.0], second=[8.0, 25.0, 25.0, 35.0]).packed_rows == (8, None)
+    assert with_kernels(plain, [15.0, 30.0, 45.0, 60.0]).packed_rows is None
+    plain_only = with_kernels(plain, None)
+    assert plain_only.packed_rows is None and not plain_only.prefer_prepack and plain_only.kernels == "plain"
+    assert in_window(4, (4, 8)) and in_window(8, (4, 8)) and not in_window(9, (4, 8)) and not in_window(3, (4, 8))
+    assert in_window(10_000, (4, None)) and not in_window(1, None)
     assert not static_table().prefer_prepack and not static_table().measured
 
 
@@ -196,7 +216,7 @@ def test_key_follows_threads_dtype_and_model_sizes(one_thread):
 
 
 def test_round_trip_to_disk(calib_cache):
-    t = table([1, 8], [[1.0, 2.5], [3.0, 4.0]], cache_lens=(16, 64), kernels="packed", kernel_tokens=(1,),
+    t = table([1, 8], [[1.0, 2.5], [3.0, 4.0]], cache_lens=(16, 64), kernel_tokens=(1,),
               kernel_ms={"plain": ((2.0,), (3.0,)), "packed": ((1.0,), (2.0,))}, key={"a": [1, "b"]}, seconds=1.5, load=0.5)
     path = calib_cache / "calibration" / "x.json"
     calibrate.save_table(path, t)
@@ -264,12 +284,17 @@ def test_a_real_measurement_on_a_tiny_model(one_thread, packed):
         if not prepack_available():
             pytest.skip("no oneDNN packing")
         prepack(model)
-    t = timing.measure(model, tokens=(1, 4), cache_lens=(16, 600), kernel_tokens=(1, 2), repeats=2)
-    assert t.measured and t.tokens == (1, 4) and t.seconds > 0
+    t = timing.measure(model, tokens=(1, 4), cache_lens=(16, 600), repeats=2)
+    assert t.measured and t.tokens == (1, 4) and t.kernel_tokens == t.tokens and t.seconds > 0
     assert t.cache_lens == (16, 512 - 4)  # capped to the model's 512 positions
     assert all(x > 0 for row in t.ms for x in row)
     assert set(t.kernel_ms) == ({"plain", "packed"} if prepack_available() else {"plain"})
-    assert t.kernels == ("packed" if t.prefer_prepack else "plain")
+    # the grid holds, token count by token count, the time of the kernels the crossover picks
+    for ti, n in enumerate(t.tokens):
+        name = "packed" if in_window(n, t.packed_rows) else "plain"
+        assert t.ms[0][ti] >= t.kernel_ms[name][0][ti]  # (made non-decreasing: never below)
+        if ti == 0:
+            assert t.ms[0][0] == t.kernel_ms[name][0][0]
     assert t.step_ms(3, 100) > 0
     assert is_prepacked(model) == packed  # the model is left with the kernels it had
 
@@ -284,16 +309,22 @@ def test_cost_table_measures_for_real_into_the_cache(calib_cache, one_thread):
 
 
 @pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
-@pytest.mark.parametrize("prefer", [False, True])
-def test_auto_prepack_follows_the_table(calib_cache, monkeypatch, tmp_path, prefer):
-    monkeypatch.setattr(timing, "measure", fake_measure(prefer_prepack=prefer))
-    assert is_prepacked(_prepacked(make_tiny_model(), "auto")) == prefer
+@pytest.mark.parametrize("wins, window", [((), None), ((1, 8, 64), (1, None)), ((8,), (8, 8)), ((8, 64), (8, None))])
+def test_auto_prepack_follows_the_table(calib_cache, monkeypatch, tmp_path, wins, window):
+    monkeypatch.setattr(timing, "measure", fake_measure(packed=wins))
+
+    def packed_rows(model):
+        windows = {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)}
+        assert len(windows) <= 1
+        return windows.pop() if windows else None
+
+    assert packed_rows(_prepacked(make_tiny_model(), "auto")) == window
     folder = tmp_path / "tiny"
     make_tiny_model().save_pretrained(folder)
     model, _ = load_model(folder)  # prepack="auto" by default, reading the cached table now
-    assert is_prepacked(model) == prefer
+    assert packed_rows(model) == window
     monkeypatch.setattr(timing, "measure", refuse)
-    assert is_prepacked(load_model(folder, prepack=True)[0])
+    assert packed_rows(load_model(folder, prepack=True)[0]) == (1, None)
     assert not is_prepacked(load_model(folder, prepack=False)[0])
 
 
@@ -331,17 +362,20 @@ def test_measured_grid_is_made_non_decreasing():
 def test_linear_kernels_switches_and_restores(start_packed):
     model = make_tiny_model(seed=3)
     if start_packed:
-        prepack(model)
+        prepack(model, min_rows=2, max_rows=3)  # a window: measuring "packed" must ignore it
     before = dict(model.named_modules())
     ids = torch.tensor([[4, 8, 15, 16, 23]])
     with torch.inference_mode(), timing.linear_kernels(model) as use:
         use(True)
         assert is_prepacked(model)
+        assert {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)} == {(1, None)}
         packed = model(ids).logits
         use(False)
         assert not is_prepacked(model)
         torch.testing.assert_close(model(ids).logits, packed, rtol=1e-4, atol=1e-5)
     assert dict(model.named_modules()) == before  # the very same modules are back
+    if start_packed:
+        assert {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)} == {(2, 3)}
 
 
 def test_a_flat_measured_top_segment_does_not_make_bigger_passes_free():

@@ -133,3 +133,30 @@ def test_unprepack_restores_plain_linears_with_the_same_parameters():
     assert model.lm_head.weight is model.get_input_embeddings().weight
     with torch.inference_mode():
         assert torch.equal(model(ids).logits, ref)
+
+
+def test_a_window_of_rows_runs_packed_kernels_and_plain_ones_outside_it(monkeypatch):
+    import accel.cpu as cpu
+
+    calls: list[int] = []
+    real = cpu._packed_linear
+    monkeypatch.setattr(cpu, "_packed_linear", lambda x, packed, bias: calls.append(x.shape[0]) or real(x, packed, bias))
+    linear = nn.Linear(8, 4)
+    layer = PackedLinear(linear, min_rows=4, max_rows=9)
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 9, 10):
+            x = torch.randn(rows, 8)
+            out = layer(x)
+            if rows < 4 or rows > 9:
+                assert torch.equal(out, nn.functional.linear(x, linear.weight, linear.bias))
+            else:
+                torch.testing.assert_close(out, nn.functional.linear(x, linear.weight, linear.bias))
+        layer(torch.randn(2, 2, 8))  # rows are counted over every leading dimension: 4
+    assert calls == [4, 9, 4]
+    model = prepack(make_tiny_model(seed=6), min_rows=8)
+    assert {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)} == {(8, None)}
+    prepack(model, min_rows=2, max_rows=32)  # a packed model only changes its window
+    assert {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)} == {(2, 32)}
+    for bad in (dict(min_rows=0), dict(min_rows=4, max_rows=2), dict(min_rows=True)):
+        with pytest.raises(ValueError, match="rows"):
+            prepack(model, **bad)
