@@ -46,6 +46,23 @@ class StreamDelta:
     finish_reason: str | None
 
 
+def _one_row(row: Any, b: int) -> torch.Tensor:
+    """One prompt of a list of rows as a 1-D LongTensor (row ``b``, for the error)."""
+    if isinstance(row, (list, tuple)):
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in row):
+            raise ValueError(f"inputs[{b}] must hold integer token ids")
+        row = torch.tensor(row, dtype=torch.long)
+    if row.dtype not in (torch.long, torch.int32, torch.int64):
+        raise ValueError(f"inputs[{b}] must hold integer token ids, got dtype {row.dtype}")
+    if row.dim() == 2 and row.shape[0] == 1:
+        row = row[0]
+    if row.dim() != 1:
+        raise ValueError(f"inputs[{b}] must be one row of token ids [n], got shape {tuple(row.shape)}")
+    if row.numel() == 0:
+        raise ValueError(f"empty prompt: inputs[{b}] has no tokens")
+    return row.long()
+
+
 def _as_rows(inputs: Any, tokenizer: Any, attention_mask: torch.Tensor | None) -> list[torch.Tensor]:
     """Normalise the accepted input forms to a list of 1-D LongTensors (one per row)."""
     if isinstance(inputs, str) or (isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, str) for x in inputs)):
@@ -57,8 +74,13 @@ def _as_rows(inputs: Any, tokenizer: Any, attention_mask: torch.Tensor | None) -
         return [torch.tensor(tokenizer(t).input_ids, dtype=torch.long) for t in texts]
     if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, int) for x in inputs):
         inputs = torch.tensor([inputs], dtype=torch.long)
+    if isinstance(inputs, (list, tuple)) and inputs and all(isinstance(x, (torch.Tensor, list, tuple)) for x in inputs):
+        if attention_mask is not None:
+            raise ValueError("attention_mask is for a padded LongTensor [batch, n]; a list of rows needs none")
+        return [_one_row(x, b) for b, x in enumerate(inputs)]
     if not isinstance(inputs, torch.Tensor):
-        raise ValueError(f"inputs must be a LongTensor [batch, n], a str or a list of str; got {type(inputs).__name__}")
+        raise ValueError("inputs must be a LongTensor [batch, n], a list of token-id rows (1-D tensors or lists of "
+                         f"ints, any lengths), a str or a list of str; got {type(inputs).__name__}")
     if inputs.dtype not in (torch.long, torch.int32, torch.int64):
         raise ValueError(f"input_ids must hold integer token ids, got dtype {inputs.dtype}")
     if inputs.dim() == 1:
@@ -137,7 +159,7 @@ def _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_
 @torch.inference_mode()
 def generate(
     model: Any,
-    inputs: torch.Tensor | str | Sequence[str],
+    inputs: torch.Tensor | Sequence[torch.Tensor] | str | Sequence[str],
     strategies: Sequence[Strategy | str | dict] | None = (),
     max_new_tokens: int = 128,
     temperature: float = 0.0,
@@ -153,8 +175,9 @@ def generate(
 
     Args:
         model: a transformers causal LM (``AutoModelForCausalLM``).
-        inputs: LongTensor [batch, n] (left padding allowed with ``attention_mask``), a
-            prompt string, or a list of prompt strings (both need ``tokenizer``).
+        inputs: LongTensor [batch, n] (left padding allowed with ``attention_mask``), a list
+            of token-id rows of any lengths (1-D LongTensors or lists of ints), a prompt
+            string, or a list of prompt strings (both need ``tokenizer``).
         strategies: strategy objects, ``"name:key=val"`` strings or mappings with a
             ``name`` key; ``[]`` is plain decoding, identical to ``model.generate`` greedy.
         max_new_tokens: tokens to generate per row at most.
@@ -184,7 +207,7 @@ def generate(
 
 def stream(
     model: Any,
-    inputs: torch.Tensor | str | Sequence[str],
+    inputs: torch.Tensor | Sequence[torch.Tensor] | str | Sequence[str],
     strategies: Sequence[Strategy | str | dict] | None = (),
     max_new_tokens: int = 128,
     temperature: float = 0.0,

@@ -13,6 +13,9 @@ here times anything, so tests drive the choices with hand-made tables.
 - :func:`allocate_drafts` splits a step's draft tokens over the rows of a batch so that the
   expected tokens per millisecond are highest.
 - :func:`acceptance_gains` is the expected gain of each draft token of a chain.
+- :class:`DraftGuard` watches what drafting steps really deliver against plain steps of the
+  same batch and stops drafting for a while when it does not pay: the allocation is a
+  prediction, the guard checks it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CostTable", "acceptance_gains", "allocate_drafts", "in_window", "packed_rows", "static_table"]
+__all__ = ["CostTable", "DraftGuard", "acceptance_gains", "allocate_drafts", "in_window", "packed_rows",
+           "static_table"]
 
 KERNELS = ("plain", "packed")
 
@@ -265,6 +269,68 @@ def allocate_drafts(
             best_ratio = ratio
             best = [min(m, caps[b]) if b in take else 0 for b in range(rows)]
     return best
+
+
+# ---------------------------------------------------------------------------- the guard
+
+
+@dataclass
+class DraftGuard:
+    """Stops a batch from drafting while drafting measurably does not pay, and tries again later.
+
+    :func:`allocate_drafts` predicts from the cost table and each row's running acceptance;
+    what a step really costs also depends on what the table cannot see (the drafters' own
+    time in this batch, kernels switching past the table's grid, a machine busy with
+    something else). The guard compares what steps deliver. Each step reports its
+    ``speed``: tokens emitted per row, times the table's time of a plain step of this batch
+    over the step's measured time -- so a plain step that takes what the table predicts
+    scores 1.0 and a drafting step that emits 1.5 tokens per row at 1.2x the time scores 1.25.
+
+    After ``patience`` drafting steps it judges: if their running speed (decaying mean,
+    weight ``decay`` on the past) is below that of the batch's plain steps, drafting stops for
+    ``cooldown`` steps, doubling after each failed try up to ``max_cooldown``; a try that pays
+    resets the cool-down. Without a plain step seen yet it first runs ``probe`` plain steps
+    to measure one. Pure logic: the engine feeds it measured times, tests feed it numbers.
+    """
+
+    patience: int = 4
+    cooldown: int = 16
+    max_cooldown: int = 256
+    probe: int = 2
+    decay: float = 0.7
+    plain: float | None = None  # running speed of plain steps
+    draft: float | None = None  # running speed of the drafting steps of the current try
+    tried: int = 0  # drafting steps in the current try
+    failures: int = 0  # failed tries in a row
+    muted: int = 0  # steps left without drafting
+
+    def allow(self) -> bool:
+        """Whether this step may draft (call once per step, before drafting)."""
+        if self.muted > 0:
+            self.muted -= 1
+            return False
+        return True
+
+    def observe(self, drafted: bool, speed: float) -> None:
+        """One step's outcome: whether any row verified drafts, and its ``speed`` (see above)."""
+        if not math.isfinite(speed) or speed <= 0:
+            return
+        if not drafted:
+            self.plain = speed if self.plain is None else self.decay * self.plain + (1 - self.decay) * speed
+            return
+        self.draft = speed if self.draft is None else self.decay * self.draft + (1 - self.decay) * speed
+        self.tried += 1
+        if self.tried < self.patience:
+            return
+        if self.plain is None:
+            self.muted = self.probe  # measure plain steps of this batch, then judge
+            return
+        if self.draft < self.plain:
+            self.failures += 1
+            self.muted = min(self.cooldown * 2 ** (self.failures - 1), self.max_cooldown)
+            self.draft, self.tried = None, 0
+        else:
+            self.failures = 0
 
 
 # ---------------------------------------------------------------------------- helpers

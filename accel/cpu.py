@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "is_prepacked", "prepack", "prepack_available", "unprepack"]
+__all__ = ["PackedLinear", "bf16_native", "is_prepacked", "prepack", "prepack_available", "unprepack"]
 
 _ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; 1-16 rows all run fast in it
 
@@ -70,6 +70,31 @@ def prepack_available(dtype: torch.dtype = torch.float32) -> bool:
                 ok = False
         _available[dtype] = ok
     return _available[dtype]
+
+
+_NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512-BF16 / AMX, Arm BF16
+_native: list[bool] = []
+
+
+def bf16_native() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16, AMX, or Arm's BF16), read
+    from ``/proc/cpuinfo``; elsewhere (no such file) what oneDNN reports.
+
+    oneDNN reports bf16 support from AVX-512 on, but without those instructions its kernels
+    convert to float32 on the fly: on a 2-core Intel Xeon without them, the Medusa heads'
+    bf16 vocabulary projection of 6 rows took 2.9 ms against 1.3 ms in float32."""
+    if not _native:
+        try:
+            with open("/proc/cpuinfo") as fh:
+                flags = next((line.partition(":")[2].split() for line in fh
+                              if line.split(":")[0].strip() in ("flags", "Features")), [])
+            _native.append(bool(_NATIVE_BF16_FLAGS & set(flags)))
+        except OSError:
+            try:
+                _native.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+            except (AttributeError, RuntimeError):
+                _native.append(False)
+    return _native[0]
 
 
 class PackedLinear(nn.Module):

@@ -21,8 +21,8 @@ import torch
 from . import adapter, calibrate, invariance
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
-from .cost_model import CostTable, acceptance_gains, allocate_drafts, round_up
-from .strategy import DraftContext, Drafter, PromptCompressor, Strategy
+from .cost_model import CostTable, DraftGuard, acceptance_gains, allocate_drafts, round_up
+from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
 __all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "propose", "verify", "verify_logits", "accept", "commit",
@@ -44,8 +44,14 @@ def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_p
     """Draft nodes each row may verify this step, from the measured cost of a padded verify
     pass (``table``, see :func:`accel.cost_model.allocate_drafts`) and each row's running
     acceptance rate and drafting time: as the batch grows, a deeper tree costs every row,
-    so drafting shrinks, down to none when plain batched decoding is faster."""
-    gains = [acceptance_gains(r.acceptance_rate, max_per_row) if r.plan.drafters else [] for r in rows]
+    so drafting shrinks, down to none when plain batched decoding is faster.
+
+    A row starts slowly: its first drafting step verifies at most one draft, then 2, 4, 8, ...
+    (``2 ** drafting steps so far``), so the acceptance and drafting time it measures cheaply
+    decide before a deep tree is paid for (a drafter that proposes garbage costs the batch
+    little)."""
+    gains = [acceptance_gains(r.acceptance_rate, min(max_per_row, 2 ** min(r.drafted_steps, 30)))
+             if r.plan.drafters else [] for r in rows]
     # the static table (calibration off) is a shape in units of one step, not milliseconds
     drafter_ms = [r.draft_ms for r in rows] if table.measured else None
     return allocate_drafts(table, cache_len, gains, max_per_row, drafter_ms=drafter_ms, min_nodes=min_nodes)
@@ -198,16 +204,22 @@ def _prompt_rows(prompts) -> list[torch.Tensor]:
 
 
 def propose(plan: Plan, states: list[Any], ctx: DraftContext) -> tuple[DraftTree, torch.Tensor | None]:
-    """Ask every drafter for a tree and merge them below the root.
+    """Ask every drafter for a tree and merge them below the root (one row; a batch drafts
+    with :func:`draft_rows`).
 
     Returns the tree and, per draft node, the index of the drafter that proposed it (None
     when nothing was proposed).
     """
+    if not plan.drafters or ctx.max_tokens <= 0:
+        return DraftTree.root_only(int(ctx.tokens[-1]), device=ctx.tokens.device), None
+    return merge_tree([d.propose(s, ctx) for d, s in zip(plan.drafters, states)], ctx)
+
+
+def merge_tree(proposals: list[DraftProposal | None], ctx: DraftContext) -> tuple[DraftTree, torch.Tensor | None]:
+    """One row's drafters' ``proposals`` (in plan order) merged below the root into at most
+    ``ctx.max_tokens`` nodes: the tree and each node's drafter index (None: no drafts)."""
     root = int(ctx.tokens[-1])
     device = ctx.tokens.device
-    if not plan.drafters or ctx.max_tokens <= 0:
-        return DraftTree.root_only(root, device=device), None
-    proposals = [d.propose(s, ctx) for d, s in zip(plan.drafters, states)]
     if len(proposals) == 1:
         prop = proposals[0]
         if prop is None or len(prop) == 0:
@@ -217,6 +229,67 @@ def propose(plan: Plan, states: list[Any], ctx: DraftContext) -> tuple[DraftTree
     if merged is None:
         return DraftTree.root_only(root, device=device), None
     return DraftTree.from_proposal(root, merged.proposal), merged.source
+
+
+def draft_rows(plans: Sequence[Plan], states: Sequence[list[Any]], ctxs: Sequence[DraftContext]
+               ) -> tuple[list[tuple[DraftTree, torch.Tensor | None]], list[float], list[BaseException | None]]:
+    """Every row's draft tree for one batched step.
+
+    Rows whose i-th drafters are equal (same strategy and settings, as when a batch shares
+    its strategies) draft together through :meth:`Drafter.propose_batch` where the drafter
+    overrides it, so a drafter whose work batches pays once per step, not once per row; others
+    propose row by row. A batched call that fails is retried row by row (an override must leave
+    the states as they were when it raises), so one request's failure stays that request's.
+
+    Returns per row (tree, drafter index per node or None), the seconds its drafting took
+    (a group's time split evenly over its rows) and the error it raised (None if none).
+    """
+    rows = len(plans)
+    proposals: list[list[DraftProposal | None]] = [[None] * len(p.drafters) for p in plans]
+    seconds = [0.0] * rows
+    errors: list[BaseException | None] = [None] * rows
+    depth = max((len(p.drafters) for p in plans), default=0)
+    for i in range(depth):
+        groups: list[tuple[Any, list[int]]] = []
+        for b, plan in enumerate(plans):
+            if len(plan.drafters) <= i or ctxs[b].max_tokens <= 0:
+                continue
+            drafter = plan.drafters[i]
+            group = next((g for g in groups if type(g[0]) is type(drafter) and g[0] == drafter), None)
+            if group is None:
+                groups.append((drafter, [b]))
+            else:
+                group[1].append(b)
+        for drafter, members in groups:
+            t0 = time.perf_counter()
+            got = None
+            if len(members) > 1 and type(drafter).propose_batch is not Drafter.propose_batch:
+                try:
+                    got = drafter.propose_batch([states[b][i] for b in members], [ctxs[b] for b in members])
+                    if len(got) != len(members):
+                        raise RuntimeError(f"{type(drafter).__name__}.propose_batch returned {len(got)} "
+                                           f"proposals for {len(members)} rows")
+                except Exception:  # find the row that fails, row by row; the others draft on
+                    got = None
+            if got is None:
+                got = []
+                for b in members:
+                    try:
+                        got.append(drafter.propose(states[b][i], ctxs[b]))
+                    except Exception as err:
+                        errors[b] = errors[b] or err
+                        got.append(None)
+            share = (time.perf_counter() - t0) / len(members)
+            for b, prop in zip(members, got):
+                proposals[b][i] = prop
+                seconds[b] += share
+    trees = []
+    for b in range(rows):
+        if not plans[b].drafters or ctxs[b].max_tokens <= 0 or errors[b] is not None:
+            trees.append((DraftTree.root_only(int(ctxs[b].tokens[-1]), device=ctxs[b].tokens.device), None))
+        else:
+            trees.append(merge_tree(proposals[b], ctxs[b]))
+    return trees, seconds, errors
 
 
 def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype,
@@ -339,6 +412,7 @@ class Row:
     hits: float = 1.0
     misses: float = 1.0
     draft_ms: float = 0.0
+    drafted_steps: int = 0  # steps in which this row verified drafts (the slow start of draft_budgets)
 
     @property
     def acceptance_rate(self) -> float:
@@ -355,6 +429,7 @@ class Row:
             self.misses = 0.97 * self.misses + 0.03
             return
         deepest = max(len(p) for p in tree.paths) - 1
+        self.drafted_steps += 1
         self.hits = 0.9 * self.hits + acc.accepted
         self.misses = 0.9 * self.misses + (1.0 if acc.accepted < deepest else 0.0)
         ms = draft_s * 1e3
@@ -413,6 +488,7 @@ class Batch:
         self.rows: list[Row] = []
         self._min_nodes: int | None = None
         self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32)
+        self.guard = DraftGuard()  # stops drafting while it measurably does not pay (measured tables only)
 
     @property
     def min_nodes(self) -> int:
@@ -455,6 +531,8 @@ class Batch:
             return [0] * len(self.rows)
         if self.costs is None:
             self.costs = calibrate.cost_table(self.model)
+        if self.costs.measured and not self.guard.allow():
+            return [0] * len(self.rows)
         cap = self.max_draft if self.max_draft is not None else MAX_DRAFT_PER_ROW
         return draft_budgets(self.costs, self.cache.committed_length(0), self.rows, cap, self.min_nodes)
 
@@ -462,20 +540,13 @@ class Batch:
         """One verify forward for every live row; returns each row's newly emitted tokens."""
         rows = self.rows
         t0 = time.perf_counter()
-        trees, sources = [], []
-        draft_s = []
-        for row, budget in zip(rows, self.budgets()):
-            ctx = DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
-                               generator=row.generator)
-            t = time.perf_counter()
-            try:
-                tree, source = propose(row.plan, row.states, ctx)
-            except Exception as err:  # one request's drafter fails: that request ends, the batch goes on
+        ctxs = [DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
+                             generator=row.generator) for row, budget in zip(rows, self.budgets())]
+        drafted, draft_s, errors = draft_rows([r.plan for r in rows], [r.states for r in rows], ctxs)
+        trees, sources = [t for t, _ in drafted], [s for _, s in drafted]
+        for row, err in zip(rows, errors):
+            if err is not None:  # one request's drafter failed: that request ends, the batch goes on
                 row.error = err
-                tree, source = DraftTree.root_only(int(row.tokens[-1]), device=row.tokens.device), None
-            draft_s.append(time.perf_counter() - t)
-            trees.append(tree)
-            sources.append(source)
         hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
                                        self.min_nodes)
         counts = [tree.num_nodes for tree in trees]
@@ -490,6 +561,7 @@ class Batch:
             start = end
         commit(self.cache, accs)
         elapsed = time.perf_counter() - t0
+        self._judge(trees, accs, elapsed)
         for b, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
             if row.error is not None:
                 row.finish_reason = "error"
@@ -512,6 +584,15 @@ class Batch:
             if row.hidden is not None:
                 row.hidden = hidden[b, acc.path[-1]]
         return out
+
+    def _judge(self, trees: list[DraftTree], accs: list[Acceptance], elapsed: float) -> None:
+        """Report the step to the guard: tokens per row against the table's plain step."""
+        if self.costs is None or not self.costs.measured or not any(r.plan.drafters for r in self.rows):
+            return
+        rows = len(self.rows)
+        emitted = sum(acc.accepted + 1 for acc in accs)
+        plain_ms = self.costs.step_ms(rows, self.cache.committed_length(0))
+        self.guard.observe(any(t.num_drafts for t in trees), emitted / rows * plain_ms / max(elapsed * 1e3, 1e-6))
 
     def retire(self, row: Row) -> None:
         """Remove one row (finished or cancelled) from the batch and its cache."""

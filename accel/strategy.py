@@ -169,6 +169,16 @@ class Drafter(Strategy):
         """A draft tree of at most ``ctx.max_tokens`` nodes, or None for no draft."""
         raise NotImplementedError
 
+    def propose_batch(self, states: list[Any], ctxs: list[DraftContext]) -> list[DraftProposal | None]:
+        """:meth:`propose` for several rows of one batched step at once, one proposal per row:
+        the engine hands each drafter the rows it drafts for (rows whose drafter equals this
+        one, each with ``ctx.max_tokens >= 1``). The default asks row by row; a drafter whose
+        work batches overrides it (Medusa runs its heads over every row's hidden state in one
+        matmul), so drafting for B rows need not cost B times drafting for one. An override
+        must leave ``states`` unchanged when it raises: the engine then asks row by row, to
+        find the row that fails."""
+        return [self.propose(s, c) for s, c in zip(states, ctxs)]
+
     def feedback(self, state: Any, proposed: int, accepted: int) -> None:
         """After each verify step: how many of this drafter's nodes were proposed, and how
         many of the accepted tokens (bonus excluded) came from them."""

@@ -186,3 +186,24 @@ def test_bad_arguments_are_named(kwargs, match):
     model = make_tiny_model()
     with pytest.raises(ValueError, match=match):
         accel.generate(model, torch.tensor([[3, 4]]), **kwargs)
+
+
+def test_the_guard_decides_whether_a_measured_batch_drafts(monkeypatch):
+    from accel import calibrate
+    from accel.cost_model import CostTable, DraftGuard
+
+    model = make_tiny_model(seed=36)
+    prompts = _prompts(3, seed=60)
+    ref = [_alone(model, p, [], 16, eos_token_id=[]) for p in prompts]
+    flat = CostTable(tokens=(1, 64), cache_lens=(256,), ms=((10.0, 10.5),))  # measured: drafting looks free
+    monkeypatch.setattr(calibrate, "cost_table", lambda model: flat)
+    seen: list[tuple[bool, float]] = []
+    monkeypatch.setattr(DraftGuard, "observe", lambda self, drafted, speed: seen.append((drafted, speed)))
+    for allow in (True, False):
+        monkeypatch.setattr(DraftGuard, "allow", lambda self: allow)
+        seen.clear()
+        rows, res = _batched(model, prompts, [PromptLookup()], 16, eos_token_id=[])
+        assert rows == ref
+        assert (res.stats.drafted_tokens > 0) == allow
+        assert seen and all(drafted <= allow for drafted, _ in seen) and all(speed > 0 for _, speed in seen)
+        assert any(drafted for drafted, _ in seen) == allow

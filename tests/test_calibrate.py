@@ -10,7 +10,7 @@ import torch
 
 from accel import calibrate, timing
 from accel.cli import main
-from accel.cost_model import CostTable, acceptance_gains, allocate_drafts, in_window, static_table
+from accel.cost_model import CostTable, DraftGuard, acceptance_gains, allocate_drafts, in_window, static_table
 from accel.cpu import PackedLinear, is_prepacked, prepack, prepack_available
 from accel.models import _prepacked, load_model
 from helpers import make_tiny_model
@@ -384,3 +384,58 @@ def test_a_flat_measured_top_segment_does_not_make_bigger_passes_free():
     # so sixteen rows at 30% acceptance are not given deep trees
     k = allocate_drafts(flat_top, 256, [acceptance_gains(0.3, 16)] * 16, 16)
     assert k == [0] * 16
+
+
+# ---------------------------------------------------------------------------- the guard
+
+
+def _run_guard(guard: DraftGuard, plain_speed: float, draft_speed: float, steps: int) -> list[bool]:
+    """Drive ``guard`` for ``steps`` steps in which a drafting step scores ``draft_speed`` and
+    a plain one ``plain_speed``; returns whether each step was allowed to draft."""
+    allowed = []
+    for _ in range(steps):
+        ok = guard.allow()
+        allowed.append(ok)
+        guard.observe(ok, draft_speed if ok else plain_speed)
+    return allowed
+
+
+def test_guard_stops_drafting_that_does_not_pay_and_tries_again_ever_later():
+    guard = DraftGuard(patience=3, cooldown=4, max_cooldown=16, probe=2)
+    allowed = _run_guard(guard, plain_speed=1.0, draft_speed=0.8, steps=60)
+    # 3 drafting steps, 2 plain probes (no plain step seen yet), 1 more drafting step judged
+    assert allowed[:6] == [True, True, True, False, False, True]
+    assert guard.failures >= 1
+    off_runs, run = [], 0
+    for ok in allowed[6:]:
+        if ok and run:
+            off_runs.append(run)
+            run = 0
+        run += not ok
+    assert off_runs[:3] == [4, 8, 16] and all(r == 16 for r in off_runs[3:])  # doubling, capped
+    assert sum(allowed) / len(allowed) < 0.4  # mostly plain decoding now
+
+
+def test_guard_keeps_drafting_that_pays():
+    guard = DraftGuard(patience=3)
+    guard.observe(False, 1.0)  # a plain step seen
+    assert all(_run_guard(guard, plain_speed=1.0, draft_speed=1.3, steps=50))
+    assert guard.failures == 0 and guard.draft == pytest.approx(1.3)
+
+
+def test_guard_judges_against_this_batch_s_plain_steps_not_an_absolute():
+    # the table may be off for this batch: plain steps score 0.5, drafting 0.6 still pays
+    guard = DraftGuard(patience=2, probe=1)
+    allowed = _run_guard(guard, plain_speed=0.5, draft_speed=0.6, steps=30)
+    assert allowed[:4] == [True, True, False, True] and all(allowed[3:])
+    # and a drafting score above 1.0 does not pay when plain steps of this batch score more
+    guard = DraftGuard(patience=2, probe=1, cooldown=5)
+    assert not all(_run_guard(guard, plain_speed=1.6, draft_speed=1.2, steps=30))
+    assert guard.failures >= 1
+
+
+def test_guard_ignores_meaningless_speeds():
+    guard = DraftGuard(patience=1)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        guard.observe(True, bad)
+    assert guard.tried == 0 and guard.draft is None and guard.allow()

@@ -91,6 +91,17 @@ def test_batch_rows_equal_single_rows_with_left_padding():
     assert res.stats.new_tokens == 12
 
 
+def test_a_list_of_rows_of_any_lengths_is_a_batch():
+    model = make_tiny_model()
+    rows = [torch.tensor([5, 6, 7, 8, 9]), [11, 12], torch.tensor([[13, 14, 15]])]
+    res = accel.generate(model, rows, max_new_tokens=6, eos_token_id=[])
+    for b, row in enumerate(rows):
+        ids = torch.as_tensor(row).reshape(1, -1)
+        alone = accel.generate(model, ids, max_new_tokens=6, eos_token_id=[]).sequences[0, ids.shape[1]:]
+        assert res.sequences[b, -6:].tolist() == alone.tolist()
+        assert res.row_stats[b].prompt_tokens == ids.shape[1]
+
+
 def test_zero_new_tokens_returns_the_prompt():
     model = make_tiny_model()
     ids = torch.tensor([[5, 6, 7]])
@@ -107,6 +118,10 @@ def test_zero_new_tokens_returns_the_prompt():
         (dict(temperature=-0.5), "temperature"),
         (dict(top_p=1.5), "top_p"),
         (dict(inputs=torch.zeros(1, 3)), "integer"),
+        (dict(inputs=[torch.tensor([3, 4]), torch.zeros(0, dtype=torch.long)]), r"inputs\[1\] has no tokens"),
+        (dict(inputs=[[3, 4], [5, 6.5]]), r"inputs\[1\] must hold integer"),
+        (dict(inputs=[torch.tensor([3, 4]), torch.ones(2, 2, dtype=torch.long)]), r"inputs\[1\] must be one row"),
+        (dict(inputs=[[3, 4]], attention_mask=torch.ones(1, 2)), "needs none"),
     ],
 )
 def test_bad_input_gets_a_clear_error(kwargs, match):

@@ -203,6 +203,49 @@ def test_dynamic_tree_verifies_the_most_probable_paths(tmp_path, sequential):
     assert small.tokens.tolist() == prop.tokens.tolist()[:2]
 
 
+@pytest.mark.parametrize("sequential", [False, True])
+def test_a_batch_of_rows_drafts_the_trees_each_row_drafts_alone(tmp_path, sequential):
+    """propose_batch (every head once over all rows' paths) gives each row the tree it gets
+    alone, at full budget and at smaller ones; rows without budget get none."""
+    model = make_tiny_model(seed=26)
+    random_heads(seed=9, sequential=sequential, std=2.0).save_pretrained(tmp_path)
+    drafter = Medusa(heads=str(tmp_path), tree="dynamic", head_dtype="float32", max_nodes=12)
+    gen = torch.Generator().manual_seed(3)
+    budgets = [12, 12, 3, 0, 12, 1]
+    states = [drafter.start(model, torch.tensor([5, 6, 7])) for _ in budgets]
+    ctxs = [DraftContext(tokens=torch.tensor([5, 6, 8 + r]), hidden=torch.randn(HIDDEN, generator=gen), max_tokens=n)
+            for r, n in enumerate(budgets)]
+    together = drafter.propose_batch(states, ctxs)
+    assert len(together) == len(budgets)
+    for state, ctx, got in zip(states, ctxs, together):
+        alone = drafter.propose(state, ctx)
+        if ctx.max_tokens == 0:
+            assert got is None and alone is None
+            continue
+        assert len(got) == ctx.max_tokens
+        if ctx.max_tokens == 12:  # the same width and beam: the very same tree
+            assert got.tokens.tolist() == alone.tokens.tolist() and got.parents.tolist() == alone.parents.tolist()
+        else:  # a wider search for the batch's largest budget finds the same best nodes
+            assert sorted(got.tokens.tolist()) == sorted(alone.tokens.tolist())
+    rows = [tuple(t.tokens.tolist()) for t in together if t is not None]
+    assert len(set(rows)) > 1  # the rows' hidden states matter
+
+
+def test_a_batch_drafts_medusa_in_one_call_and_stays_exact(tmp_path, monkeypatch):
+    model = make_tiny_model(seed=27)
+    random_heads(seed=10, std=1.0).save_pretrained(tmp_path)
+    drafter = Medusa(heads=str(tmp_path), tree="dynamic", head_dtype="float32")
+    prompts = [_prompt(s, n)[0] for s, n in ((1, 20), (2, 33), (3, 9), (4, 41))]
+    alone = [_generate(model, p.unsqueeze(0), [drafter], new=24).sequences[0, p.numel():].tolist() for p in prompts]
+    calls = []
+    real = Medusa.propose_batch
+    monkeypatch.setattr(Medusa, "propose_batch", lambda self, states, ctxs: calls.append(len(states)) or real(self, states, ctxs))
+    out = accel.generate(model, list(prompts), strategies=[drafter], max_new_tokens=24, eos_token_id=[])
+    assert calls and max(calls) == len(prompts)  # all rows drafted in one call
+    for b, p in enumerate(prompts):
+        assert out.sequences[b, -24:].tolist() == alone[b]
+
+
 def test_dynamic_tree_is_a_valid_tree_value():
     assert Medusa(tree="dynamic").tree == "dynamic"
     with pytest.raises(ValueError, match="'dynamic'"):

@@ -24,7 +24,7 @@ from pydantic import Field, field_serializer, field_validator
 from accel.cpu import PackedLinear
 from accel.strategy import DraftContext, DraftProposal, Drafter, register
 
-from .dynamic_tree import dynamic_tree
+from .dynamic_tree import dynamic_tree, dynamic_trees
 from .formats import resolve_heads_dir
 from .packed import LoadedHeads, bf16_fast_on_cpu, lm_layer, load_heads
 from .trees import (
@@ -204,6 +204,26 @@ class Medusa(Drafter):
                 raise ValueError(f"the sequential Medusa heads in '{loaded.source}' read the model's input embeddings, "
                                  f"but {type(model).__name__} has no [{vocab}, {hidden}] embedding weight")
         return loaded, head_dtype, embed, self.paths_for(loaded)
+
+    def propose_batch(self, states: list[_State], ctxs: list[DraftContext]) -> list[DraftProposal | None]:
+        """The dynamic trees of every row at once (:func:`.dynamic_tree.dynamic_trees`): each
+        head runs one vocabulary projection over all rows' paths. Rows whose heads differ
+        (another folder or dtype) and static trees go row by row."""
+        loaded = states[0].loaded if states else None
+        if (self.tree != "dynamic" or len(states) < 2 or any(c.hidden is None for c in ctxs)
+                or any(s.loaded is not loaded or s.lm is not states[0].lm for s in states)):
+            return super().propose_batch(states, ctxs)
+        sizes = [min(self.max_nodes, c.max_tokens) for c in ctxs]
+        live = [i for i, n in enumerate(sizes) if n > 0]
+        out: list[DraftProposal | None] = [None] * len(states)
+        if not live:
+            return out
+        h = torch.stack([ctxs[i].hidden.reshape(-1) for i in live])
+        roots = torch.stack([ctxs[i].tokens[-1] for i in live])
+        trees = dynamic_trees(loaded, h, roots, [sizes[i] for i in live], states[0].lm, states[0].embed)
+        for i, tree in zip(live, trees):
+            out[i] = tree
+        return out
 
     def propose(self, state: _State, ctx: DraftContext) -> DraftProposal | None:
         if ctx.hidden is None:

@@ -12,7 +12,7 @@ from accel.strategy import DraftProposal
 
 from .packed import LoadedHeads
 
-__all__ = ["DYNAMIC_WIDTH", "DYNAMIC_BEAM", "dynamic_tree"]
+__all__ = ["DYNAMIC_WIDTH", "DYNAMIC_BEAM", "dynamic_tree", "dynamic_trees"]
 
 #: The dynamic tree (``Medusa(tree="dynamic")``) expands, at each depth, the DYNAMIC_BEAM most
 #: probable nodes of the depth above, DYNAMIC_WIDTH children each (capped by the node budget).
@@ -37,33 +37,56 @@ def dynamic_tree(loaded: LoadedHeads, h: torch.Tensor, root: torch.Tensor, n: in
     layer in the head dtype (subset rows), None when the heads have their own; embed: [V, H]
     the model's input embeddings (sequential heads), else None.
     """
+    return dynamic_trees(loaded, h.reshape(1, -1), root.reshape(1), [n], lm, embed)[0]
+
+
+def dynamic_trees(loaded: LoadedHeads, h: torch.Tensor, roots: torch.Tensor, sizes: list[int],
+                  lm: PackedLinear | None, embed: torch.Tensor | None) -> list[DraftProposal]:
+    """:func:`dynamic_tree` for R rows of a batch at once: every head runs once over all
+    rows' paths (one vocabulary projection of R x beam rows per depth instead of R of
+    beam rows), then each row keeps its own ``sizes[r]`` most valuable nodes.
+
+    h: [R, H] each row's hidden state; roots: [R] each row's pending token; sizes: R node
+    counts (each >= 1). The expansion width and beam follow the largest size; a smaller
+    row's n best nodes are the same either way (up to ties), since a node's value never
+    exceeds its parent's. Returns one proposal per row.
+    """
     packed = loaded.packed
     device = h.device
-    width, beam = min(n, DYNAMIC_WIDTH), min(n, DYNAMIC_BEAM)
-    if not loaded.sequential:  # independent heads: one distribution per head, whatever the path
-        head_tok, head_lp = packed.top_tokens(h, width, loaded.num_heads, lm, log_probs=True)
-    paths = root.reshape(1, 1).to(device)  # [P, depth + 1] the paths expanded next, root first
-    values = torch.zeros(1, device=device)  # [P] their log values
-    ids = torch.zeros(1, dtype=torch.long, device=device)  # [P] their node ids (the root is 0)
+    rows = h.shape[0]
+    most = max(sizes)
+    width, beam = min(most, DYNAMIC_WIDTH), min(most, DYNAMIC_BEAM)
+    if not loaded.sequential:  # independent heads: one distribution per head and row, whatever the path
+        head_tok, head_lp = packed.top_tokens(h, width, loaded.num_heads, lm, log_probs=True)  # [K, R, w]
+    paths = roots.reshape(rows, 1, 1).to(device)  # [R, P, depth + 1] the paths expanded next, root first
+    values = torch.zeros(rows, 1, device=device)  # [R, P] their log values
+    ids = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, P] their node ids (the root is 0)
     tokens, logv, parents = [], [], []
     count = 1
     for head in range(loaded.num_heads):
         if loaded.sequential:
-            tok, lp = packed.top_tokens(head, h, embed[paths], width, lm, log_probs=True)  # [P, w]
+            tok, lp = packed.top_tokens(head, h, embed[paths], width, lm, log_probs=True)  # [R, P, w]
         else:
-            tok, lp = head_tok[head].expand(paths.shape[0], -1), head_lp[head].expand(paths.shape[0], -1)
-        v = (values.unsqueeze(1) + lp).reshape(-1)
-        t = tok.reshape(-1)
+            shape = (rows, paths.shape[1], width)
+            tok, lp = head_tok[head].unsqueeze(1).expand(shape), head_lp[head].unsqueeze(1).expand(shape)
+        v = (values.unsqueeze(-1) + lp).reshape(rows, -1)  # [R, P * w]
+        t = tok.reshape(rows, -1)
         tokens.append(t)
         logv.append(v)
-        parents.append(ids.repeat_interleave(width))
-        new_ids = torch.arange(count, count + v.numel(), device=device)
-        count += v.numel()
+        parents.append(ids.repeat_interleave(width, dim=1))
+        new_ids = torch.arange(count, count + v.shape[1], device=device)
+        count += v.shape[1]
         if head + 1 < loaded.num_heads:
-            keep = torch.topk(v, min(beam, v.numel())).indices
-            paths = torch.cat([paths[keep // width], t[keep].unsqueeze(1)], dim=1)
-            values, ids = v[keep], new_ids[keep]
-    chosen = torch.sort(torch.cat(logv), descending=True, stable=True).indices[:n]  # candidate i is node id i + 1
-    position = torch.zeros(count, dtype=torch.long, device=device)
-    position[chosen + 1] = torch.arange(1, chosen.numel() + 1, device=device)
-    return DraftProposal(tokens=torch.cat(tokens)[chosen], parents=position[torch.cat(parents)[chosen]])
+            keep = torch.topk(v, min(beam, v.shape[1]), dim=1).indices  # [R, beam]
+            above = torch.gather(paths, 1, (keep // width).unsqueeze(-1).expand(-1, -1, paths.shape[2]))
+            paths = torch.cat([above, torch.gather(t, 1, keep).unsqueeze(-1)], dim=2)
+            values, ids = torch.gather(v, 1, keep), new_ids[keep]
+    order = torch.sort(torch.cat(logv, dim=1), dim=1, descending=True, stable=True).indices  # candidate i: node i + 1
+    all_tokens, all_parents = torch.cat(tokens, dim=1), torch.cat(parents, dim=1)
+    out = []
+    for r, n in enumerate(sizes):
+        chosen = order[r, :n]
+        position = torch.zeros(count, dtype=torch.long, device=device)
+        position[chosen + 1] = torch.arange(1, chosen.numel() + 1, device=device)
+        out.append(DraftProposal(tokens=all_tokens[r, chosen], parents=position[all_parents[r, chosen]]))
+    return out

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.cpu import PackedLinear
+from accel.cpu import PackedLinear, bf16_native
 
 from .formats import resolve_heads_dir
 from .heads import MedusaHeads, head_hidden
@@ -85,9 +85,10 @@ class PackedHeads:
     subset: torch.Tensor | None = None
 
     def hidden(self, h: torch.Tensor, num_heads: int) -> torch.Tensor:
-        """[H] -> [K, H]: every head's residual blocks on the same hidden state."""
+        """[H] -> [K, H] (or R rows' [R, H] -> [K, R, H]): every head's residual blocks on the
+        same hidden state."""
         layers = [partial(_stacked_linear, self.weight[layer], self.bias[layer]) for layer in range(self.weight.shape[0])]
-        return head_hidden(h.unsqueeze(0).expand(num_heads, -1), layers, dtype=self.weight.dtype)
+        return head_hidden(h.unsqueeze(0).expand(num_heads, *h.shape), layers, dtype=self.weight.dtype)
 
     @property
     def device(self) -> torch.device:
@@ -95,15 +96,20 @@ class PackedHeads:
 
     def top_tokens(self, h: torch.Tensor, k: int, num_heads: int, lm: PackedLinear | None,
                    log_probs: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Each head's ``k`` most likely tokens, [K, k] (rank 0 first), for hidden state [H];
-        with ``log_probs`` also their log-probabilities under the head, [K, k] float32.
+        """Each head's ``k`` most likely tokens, [K, k] (rank 0 first), for hidden state [H]
+        (for R rows' [R, H]: [K, R, k]); with ``log_probs`` also their log-probabilities under
+        the head, of the same shape, float32.
 
         lm: the model's output layer restricted to ``subset`` (all rows without one), in the
         head dtype; unused when the heads have their own (``lm_heads``).
         """
         x = self.hidden(h, num_heads)
         if self.lm_heads is not None:
-            logits = torch.bmm(self.lm_heads, x.to(self.lm_heads.dtype).unsqueeze(-1)).squeeze(-1)
+            x = x.to(self.lm_heads.dtype)
+            if x.dim() == 2:
+                logits = torch.bmm(self.lm_heads, x.unsqueeze(-1)).squeeze(-1)
+            else:  # [K, R, H] -> [K, R, V']
+                logits = torch.bmm(self.lm_heads, x.transpose(1, 2)).transpose(1, 2)
         else:
             logits = lm(x.to(lm.weight.dtype))
         return _top(logits, k, self.subset, log_probs)
@@ -134,17 +140,21 @@ class PackedPathHeads:
         with ``log_probs`` also their log-probabilities, [P, k] float32.
 
         h: [H] the verifier's hidden state; path_emb: [P, head + 1, H] the input embeddings of
-        each path's tokens, the root first. lm as in :meth:`PackedHeads.top_tokens`.
+        each path's tokens, the root first. For R rows at once, h [R, H] and path_emb
+        [R, P, head + 1, H] give [R, P, k]. lm as in :meth:`PackedHeads.top_tokens`.
         """
         blocks = self.blocks[head]
-        x = head_hidden(h.reshape(1, -1).expand(path_emb.shape[0], -1), blocks, path_emb, dtype=blocks[0].weight.dtype)
+        x = head_hidden(h.unsqueeze(-2).expand(*path_emb.shape[:-2], -1), blocks, path_emb, dtype=blocks[0].weight.dtype)
         out = self.lm_heads[head] if self.lm_heads is not None else lm
         return _top(out(x.to(out.weight.dtype)), k, self.subset, log_probs)
 
 
 def _stacked_linear(weight: torch.Tensor, bias: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """K heads' linear layers as one batched matmul: weight [K, H, H], bias [K, H], x [K, H] -> [K, H]."""
-    return torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1) + bias
+    """K heads' linear layers as one batched matmul: weight [K, H, H], bias [K, H], x [K, H]
+    -> [K, H] (or x [K, R, H] -> [K, R, H])."""
+    if x.dim() == 2:
+        return torch.bmm(weight, x.unsqueeze(-1)).squeeze(-1) + bias
+    return torch.baddbmm(bias.unsqueeze(1), x, weight.transpose(1, 2))
 
 
 def _top(logits: torch.Tensor, k: int, subset: torch.Tensor | None,
@@ -231,11 +241,7 @@ def lm_layer(out: nn.Module, dtype: torch.dtype, rows: torch.Tensor | None = Non
 
 
 def bf16_fast_on_cpu() -> bool:
-    """Whether oneDNN reports bfloat16 matmul support on this CPU (``head_dtype="auto"`` and
-    training's defaults read it). oneDNN reports it from AVX-512 on; without native bf16
-    instructions (AVX512_BF16, AMX) its kernels convert to float32 on the fly, correct but
-    not necessarily faster than float32."""
-    try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    except (AttributeError, RuntimeError):  # pragma: no cover - older / unusual builds
-        return False
+    """Whether bfloat16 matmuls are fast on this CPU (``head_dtype="auto"`` and training's
+    defaults read it): only with native bf16 instructions (:func:`accel.cpu.bf16_native`);
+    without them oneDNN's bf16 kernels are correct but slower than float32."""
+    return bf16_native()
