@@ -293,11 +293,11 @@ class DraftGuard:
     to measure one. Pure logic: the engine feeds it measured times, tests feed it numbers.
     """
 
-    patience: int = 4
+    patience: int = 8
     cooldown: int = 16
     max_cooldown: int = 256
     probe: int = 2
-    decay: float = 0.7
+    decay: float = 0.85
     plain: float | None = None  # running speed of plain steps
     draft: float | None = None  # running speed of the drafting steps of the current try
     tried: int = 0  # drafting steps in the current try

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
@@ -26,7 +27,7 @@ from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, St
 from .tree import DraftTree, merge_proposals
 
 __all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "propose", "verify", "verify_logits", "accept", "commit",
-           "decode", "draft_budgets", "batch_steps", "run_batch"]
+           "decode", "draft_budgets", "draft_guard", "batch_steps", "run_batch"]
 
 # No fixed draft limit by default: the measured cost table sizes each step's drafts.
 DEFAULT_MAX_DRAFT: int | None = None
@@ -55,6 +56,21 @@ def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_p
     # the static table (calibration off) is a shape in units of one step, not milliseconds
     drafter_ms = [r.draft_ms for r in rows] if table.measured else None
     return allocate_drafts(table, cache_len, gains, max_per_row, drafter_ms=drafter_ms, min_nodes=min_nodes)
+
+
+# The guards of each model's batches, by (batch size rounded up to a power of two, drafter
+# classes): what drafting delivered is remembered across calls and requests of the process.
+_GUARDS: "weakref.WeakKeyDictionary[Any, dict[tuple, DraftGuard]]" = weakref.WeakKeyDictionary()
+
+
+def draft_guard(model, rows: Sequence["Row"]) -> DraftGuard:
+    """The :class:`~accel.cost_model.DraftGuard` for a batch of ``rows`` on ``model``: one per
+    batch size (rounded up to a power of two: 1, 2, 4, 8, ...) and set of drafter classes,
+    kept for the model's life, so a batch size where drafting did not pay starts the next
+    call muted instead of paying for the lesson again."""
+    bucket = 1 << max(len(rows) - 1, 0).bit_length()
+    names = tuple(sorted({type(d).__name__ for r in rows for d in r.plan.drafters}))
+    return _GUARDS.setdefault(model, {}).setdefault((bucket, names), DraftGuard())
 
 
 @dataclass
@@ -488,7 +504,7 @@ class Batch:
         self.rows: list[Row] = []
         self._min_nodes: int | None = None
         self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32)
-        self.guard = DraftGuard()  # stops drafting while it measurably does not pay (measured tables only)
+        self.guard: DraftGuard | None = None  # this step's (see draft_guard), measured tables only
 
     @property
     def min_nodes(self) -> int:
@@ -531,7 +547,8 @@ class Batch:
             return [0] * len(self.rows)
         if self.costs is None:
             self.costs = calibrate.cost_table(self.model)
-        if self.costs.measured and not self.guard.allow():
+        self.guard = draft_guard(self.model, self.rows) if self.costs.measured else None
+        if self.guard is not None and not self.guard.allow():
             return [0] * len(self.rows)
         cap = self.max_draft if self.max_draft is not None else MAX_DRAFT_PER_ROW
         return draft_budgets(self.costs, self.cache.committed_length(0), self.rows, cap, self.min_nodes)
@@ -587,7 +604,7 @@ class Batch:
 
     def _judge(self, trees: list[DraftTree], accs: list[Acceptance], elapsed: float) -> None:
         """Report the step to the guard: tokens per row against the table's plain step."""
-        if self.costs is None or not self.costs.measured or not any(r.plan.drafters for r in self.rows):
+        if self.guard is None or not any(r.plan.drafters for r in self.rows):
             return
         rows = len(self.rows)
         emitted = sum(acc.accepted + 1 for acc in accs)

@@ -207,3 +207,23 @@ def test_the_guard_decides_whether_a_measured_batch_drafts(monkeypatch):
         assert (res.stats.drafted_tokens > 0) == allow
         assert seen and all(drafted <= allow for drafted, _ in seen) and all(speed > 0 for _, speed in seen)
         assert any(drafted for drafted, _ in seen) == allow
+
+
+def test_each_batch_size_keeps_its_guard_across_calls(monkeypatch):
+    from accel import calibrate, engine
+    from accel.cost_model import CostTable
+
+    model = make_tiny_model(seed=37)
+    flat = CostTable(tokens=(1, 64), cache_lens=(256,), ms=((10.0, 10.5),))  # measured: the guard is live
+    monkeypatch.setattr(calibrate, "cost_table", lambda model: flat)
+    prompts = _prompts(3, seed=61)
+    ref = [_alone(model, p, [], 12, eos_token_id=[]) for p in prompts]
+    _batched(model, prompts, [PromptLookup()], 12, eos_token_id=[])
+    guards = engine._GUARDS[model]
+    assert (4, ("PromptLookup",)) in guards  # 3 rows: the batches of 3-4
+    guards[(4, ("PromptLookup",))].muted = 10_000  # this batch size learned that drafting does not pay
+    rows, res = _batched(model, prompts, [PromptLookup()], 12, eos_token_id=[])
+    assert rows == ref and res.stats.drafted_tokens == 0
+    guards.setdefault((1, ("PromptLookup",)), engine.DraftGuard()).muted = 0
+    one = accel.generate(model, prompts[0].unsqueeze(0), strategies=[PromptLookup()], max_new_tokens=12, eos_token_id=[])
+    assert one.stats.drafted_tokens > 0  # a batch of one has its own guard

@@ -56,6 +56,8 @@ def dynamic_trees(loaded: LoadedHeads, h: torch.Tensor, roots: torch.Tensor, siz
     rows = h.shape[0]
     most = max(sizes)
     width, beam = min(most, DYNAMIC_WIDTH), min(most, DYNAMIC_BEAM)
+    # n nodes reach at most n deep (a node's parent is chosen before it): deeper heads need not run
+    depth = min(loaded.num_heads, most)
     if not loaded.sequential:  # independent heads: one distribution per head and row, whatever the path
         head_tok, head_lp = packed.top_tokens(h, width, loaded.num_heads, lm, log_probs=True)  # [K, R, w]
     paths = roots.reshape(rows, 1, 1).to(device)  # [R, P, depth + 1] the paths expanded next, root first
@@ -63,7 +65,7 @@ def dynamic_trees(loaded: LoadedHeads, h: torch.Tensor, roots: torch.Tensor, siz
     ids = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, P] their node ids (the root is 0)
     tokens, logv, parents = [], [], []
     count = 1
-    for head in range(loaded.num_heads):
+    for head in range(depth):
         if loaded.sequential:
             tok, lp = packed.top_tokens(head, h, embed[paths], width, lm, log_probs=True)  # [R, P, w]
         else:
@@ -76,7 +78,7 @@ def dynamic_trees(loaded: LoadedHeads, h: torch.Tensor, roots: torch.Tensor, siz
         parents.append(ids.repeat_interleave(width, dim=1))
         new_ids = torch.arange(count, count + v.shape[1], device=device)
         count += v.shape[1]
-        if head + 1 < loaded.num_heads:
+        if head + 1 < depth:
             keep = torch.topk(v, min(beam, v.shape[1]), dim=1).indices  # [R, beam]
             above = torch.gather(paths, 1, (keep // width).unsqueeze(-1).expand(-1, -1, paths.shape[2]))
             paths = torch.cat([above, torch.gather(t, 1, keep).unsqueeze(-1)], dim=2)
