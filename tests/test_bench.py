@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from accel.bench import ConfigError, load_config, run_experiment
+from accel.cpu import PackedLinear, prepack, prepack_available
 from accel.bench.runner import _agreement, _schedule
 from accel.bench.schema import apply_overrides
 from accel.bench.tasks import build_items, score
@@ -442,17 +443,24 @@ def test_batched_grid_rows_exact_and_same_as_single_rows(tmp_path):
 
 
 def test_arrivals_record_latency_and_ttft_for_every_request(tmp_path):
-    data = dict(BATCHED, tasks=[{"kind": "chat", "prompts": 3}], baselines=["hf_generate", "hf_generate_batch"],
+    data = dict(BATCHED, tasks=[{"kind": "chat", "prompts": 3}],
+                baselines=["hf_generate", "hf_generate_unpacked", "hf_generate_batch"],
                 runs={"accel_plain": []}, batch_sizes=[1], arrivals={"requests": 5, "interval_s": 0.01, "max_batch": 2})
     model = make_tiny_model()
+    packed = prepack_available()
+    if packed:  # hf_generate_unpacked swaps in plain kernels for its calls only
+        prepack(model, min_rows=2, max_rows=64)
     out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=model, tokenizer=CharTokenizer(),
                          quiet=True)
     assert model.config._attn_implementation == "sdpa"
+    if packed:
+        assert {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)} == {(2, 64)}
     rows = _rows(out)
     single = [r for r in rows if "mode" not in r]
-    assert len(single) == 3 * 3 and all(r["exact"] for r in single)  # the per-item grid still runs
+    assert len(single) == 4 * 3 and all(r["exact"] for r in single)  # the per-item grid still runs
     arrivals = [r for r in rows if r.get("mode") == "arrivals"]
-    assert sorted(r["config"] for r in arrivals) == ["accel_plain", "hf_generate", "hf_generate_batch"]
+    assert sorted(r["config"] for r in arrivals) == ["accel_plain", "hf_generate", "hf_generate_batch",
+                                                     "hf_generate_unpacked"]
     for r in arrivals:
         assert not r["error"] and r["failures"] == 0
         assert r["requests"] == 5 and r["batch_size"] == 2 and r["interval_s"] == 0.01

@@ -52,7 +52,8 @@ from ..cpu import is_prepacked
 from ..strategy import Strategy, build_strategies
 from . import batched as bt
 from .batched import BatchMeasurement, cut_at_eos, percentile, sync_device
-from .schema import Arrivals, Experiment, HFAssisted, HFGenerate, HFGenerateBatch, HFPromptLookup, KVPressSnapKV
+from .schema import (Arrivals, Experiment, HFAssisted, HFGenerate, HFGenerateBatch, HFGenerateUnpacked, HFPromptLookup,
+                     KVPressSnapKV)
 from .tasks import TaskItem, score
 
 __all__ = [
@@ -185,6 +186,19 @@ class PeakMemory:
 
 
 # --------------------------------------------------------------------------- configurations
+
+
+def _plain_kernels(model: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run with ``model``'s linear layers on plain kernels (:func:`accel.timing.linear_kernels`;
+    the swap is a few module references, outside nothing timed but the call)."""
+    from accel.timing import linear_kernels
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with linear_kernels(model) as use:
+            use(False)
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _hf_generate(model: Any, eos: list[int], pad: int, extra: dict[str, Any]) -> Callable[[TaskItem, int], Measurement]:
@@ -346,6 +360,13 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
                 b.name, "baseline", "model.generate(do_sample=False); batched: left padding + attention mask; "
                 "arrivals: static batches", False, _hf_generate(model, eos, pad, {}),
                 batch=bt.hf_generate_batched(model, eos, pad), serve=bt.hf_static_batches(model, eos, pad)))
+        elif isinstance(b, HFGenerateUnpacked):
+            configs.append(Configuration(
+                b.name, "baseline", "model.generate(do_sample=False) on plain (unpacked) linear kernels; batched: left "
+                "padding + attention mask; arrivals: static batches", False,
+                _plain_kernels(model, _hf_generate(model, eos, pad, {})),
+                batch=_plain_kernels(model, bt.hf_generate_batched(model, eos, pad)),
+                serve=_plain_kernels(model, bt.hf_static_batches(model, eos, pad))))
         elif isinstance(b, HFPromptLookup):
             extra = {"prompt_lookup_num_tokens": b.num_tokens, "max_matching_ngram_size": b.max_ngram}
             fn = _hf_generate(model, eos, pad, extra)

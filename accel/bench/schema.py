@@ -27,6 +27,7 @@ __all__ = [
     "ChatTask",
     "Generation",
     "HFGenerate",
+    "HFGenerateUnpacked",
     "HFPromptLookup",
     "HFAssisted",
     "HFGenerateBatch",
@@ -126,6 +127,14 @@ class HFGenerate(_Model):
     name: Literal["hf_generate"] = "hf_generate"
 
 
+class HFGenerateUnpacked(_Model):
+    """``hf_generate`` with the model's linear layers on plain kernels (``F.linear``) however
+    ``prepack`` packed them: ``model.generate`` as the model runs when loaded by plain
+    transformers, the speed a user gets without accel."""
+
+    name: Literal["hf_generate_unpacked"] = "hf_generate_unpacked"
+
+
 class HFGenerateBatch(_Model):
     """transformers' continuous batching: ``model.generate_batch`` on a batch, and the manager
     of ``model.init_continuous_batching`` (``add_request`` as requests arrive) for arrivals. A
@@ -183,9 +192,10 @@ class KVPressSnapKV(_Model):
     """kvpress ``kernel_size``."""
 
 
-Baseline = Annotated[Union[HFGenerate, HFPromptLookup, HFAssisted, HFGenerateBatch, KVPressSnapKV],
+Baseline = Annotated[Union[HFGenerate, HFGenerateUnpacked, HFPromptLookup, HFAssisted, HFGenerateBatch, KVPressSnapKV],
                      Field(discriminator="name")]
-BASELINE_NAMES = ("hf_generate", "hf_prompt_lookup", "hf_assisted", "hf_generate_batch", "kvpress_snapkv")
+BASELINE_NAMES = ("hf_generate", "hf_generate_unpacked", "hf_prompt_lookup", "hf_assisted", "hf_generate_batch",
+                  "kvpress_snapkv")
 
 
 # --------------------------------------------------------------------------- experiment
