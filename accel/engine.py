@@ -271,7 +271,7 @@ def draft_rows(plans: Sequence[Plan], states: Sequence[list[Any]], ctxs: Sequenc
             if len(plan.drafters) <= i or ctxs[b].max_tokens <= 0:
                 continue
             drafter = plan.drafters[i]
-            group = next((g for g in groups if type(g[0]) is type(drafter) and g[0] == drafter), None)
+            group = next((g for g in groups if _same_drafter(g[0], drafter)), None)
             if group is None:
                 groups.append((drafter, [b]))
             else:
@@ -301,10 +301,15 @@ def draft_rows(plans: Sequence[Plan], states: Sequence[list[Any]], ctxs: Sequenc
                 seconds[b] += share
     trees = []
     for b in range(rows):
-        if not plans[b].drafters or ctxs[b].max_tokens <= 0 or errors[b] is not None:
-            trees.append((DraftTree.root_only(int(ctxs[b].tokens[-1]), device=ctxs[b].tokens.device), None))
-        else:
-            trees.append(merge_tree(proposals[b], ctxs[b]))
+        tree = None
+        if plans[b].drafters and ctxs[b].max_tokens > 0 and errors[b] is None:
+            try:  # a malformed proposal is that row's error too
+                tree = merge_tree(proposals[b], ctxs[b])
+            except Exception as err:
+                errors[b] = err
+        if tree is None:
+            tree = (DraftTree.root_only(int(ctxs[b].tokens[-1]), device=ctxs[b].tokens.device), None)
+        trees.append(tree)
     return trees, seconds, errors
 
 
@@ -629,6 +634,19 @@ class Batch:
         for row in done:
             self.retire(row)
         return done
+
+
+def _same_drafter(a: Any, b: Any) -> bool:
+    """Whether two rows' drafters may draft together: the same object, or equal settings of
+    the same class (a drafter whose fields cannot be compared, e.g. tensors, drafts alone)."""
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a field without a truth value: treat as different
+        return False
 
 
 def _feedback(plan: Plan, states: list[Any], source: torch.Tensor | None, acc: Acceptance) -> None:

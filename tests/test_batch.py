@@ -227,3 +227,49 @@ def test_each_batch_size_keeps_its_guard_across_calls(monkeypatch):
     guards.setdefault((1, ("PromptLookup",)), engine.DraftGuard()).muted = 0
     one = accel.generate(model, prompts[0].unsqueeze(0), strategies=[PromptLookup()], max_new_tokens=12, eos_token_id=[])
     assert one.stats.drafted_tokens > 0  # a batch of one has its own guard
+
+
+def test_drafters_whose_settings_cannot_be_compared_draft_row_by_row():
+    """Rows are grouped by equal drafters; a field without a truth value (a tensor) must not
+    break the grouping: such rows draft alone, and stay exact."""
+    from pydantic import ConfigDict
+
+    from accel.strategy import DraftProposal
+
+    class Biased(accel.Drafter):
+        model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+        name = "biased_test"
+        bias: torch.Tensor
+
+        def propose(self, state, ctx):
+            n = min(len(self.bias), ctx.max_tokens)
+            return DraftProposal(tokens=(self.bias[:n] + ctx.tokens[-1]) % TINY_VOCAB, parents=torch.arange(n))
+
+    model = make_tiny_model(seed=38)
+    prompts = _prompts(3, seed=62)
+    ref = [_alone(model, p, [], 10, eos_token_id=[]) for p in prompts]
+    drafter = Biased(bias=torch.tensor([1, 2]))
+    other = Biased(bias=torch.tensor([1, 3]))  # equal-looking objects whose == cannot be decided
+    rows, res = _batched(model, prompts, [drafter], 10, eos_token_id=[])
+    assert rows == ref and res.stats.drafted_tokens > 0
+    from accel.engine import _same_drafter
+    assert _same_drafter(drafter, drafter) and not _same_drafter(drafter, other)
+
+
+def test_a_malformed_proposal_fails_its_request_alone():
+    from accel.strategy import DraftProposal
+
+    class Malformed(accel.Drafter):
+        name = "malformed_test"
+
+        def propose(self, state, ctx):
+            return DraftProposal(tokens=torch.tensor([1, 2]), parents=torch.zeros(1, dtype=torch.long))
+
+    model = make_tiny_model(seed=39)
+    prompt = _prompts(1, seed=63)[0]
+    with accel.Engine(model, max_batch=4, eos_token_id=[]) as engine:
+        bad = engine.submit(prompt, max_new_tokens=8, strategies=[Malformed()])
+        good = engine.submit(prompt, max_new_tokens=8)
+        r = bad.result(timeout=60)
+        assert r.finish_reason == "error" and "parents" in r.error
+        assert good.result(timeout=60).tokens == _alone(model, prompt, [], 8, eos_token_id=[])
