@@ -21,6 +21,7 @@ here times anything, so tests drive the choices with hand-made tables.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -156,20 +157,14 @@ def packed_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple
     if not packed or not plain:
         return None
     wins = [all(prow[t] < qrow[t] for prow, qrow in zip(packed, plain)) for t in range(len(kernel_tokens))]
-    best: tuple[int, int] | None = None  # (first index, last index)
-    t = 0
-    while t < len(wins):
-        if not wins[t]:
-            t += 1
-            continue
-        end = t
-        while end + 1 < len(wins) and wins[end + 1]:
-            end += 1
-        if best is None or end - t >= best[1] - best[0]:
-            best = (t, end)
-        t = end + 1
-    if best is None:
+    runs = []  # (first, last) index of each run of consecutive wins
+    for won, group in itertools.groupby(range(len(wins)), key=wins.__getitem__):
+        if won:
+            idx = list(group)
+            runs.append((idx[0], idx[-1]))
+    if not runs:
         return None
+    best = max(runs, key=lambda r: (r[1] - r[0], r[0]))  # the longest; on a tie the larger counts
     last = None if best[1] == len(kernel_tokens) - 1 else kernel_tokens[best[1]]
     return kernel_tokens[best[0]], last
 

@@ -14,8 +14,8 @@ of the linear weights in memory. Whether packing pays depends on the CPU and on 
 rows a call multiplies (on a 2-core Intel Xeon without AMX, plain kernels win for one or
 two rows and for 64, packed ones from 4 to 32 rows), so a layer runs packed only for inputs
 of ``min_rows`` to ``max_rows`` rows and plain otherwise; :func:`accel.calibrate.cost_table`
-measures where packing wins and ``accel.load_model`` packs with that window. Call it once after loading; ``model.generate`` and
-``accel.generate`` then run the same kernels, so plain accel decoding still equals
+measures where packing wins and ``accel.load_model`` packs with that window. Call it once
+after loading; ``model.generate`` and ``accel.generate`` then run the same kernels, so plain accel decoding still equals
 ``model.generate`` token for token. Results differ from the unpacked model only by float32
 rounding (the kernels sum in another order).
 
@@ -29,6 +29,8 @@ or dtype) or gradients are needed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -73,9 +75,9 @@ def prepack_available(dtype: torch.dtype = torch.float32) -> bool:
 
 
 _NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 AVX512-BF16 / AMX, Arm BF16
-_native: list[bool] = []
 
 
+@functools.cache
 def bf16_native() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16, AMX, or Arm's BF16), read
     from ``/proc/cpuinfo``; elsewhere (no such file) what oneDNN reports.
@@ -83,18 +85,16 @@ def bf16_native() -> bool:
     oneDNN reports bf16 support from AVX-512 on, but without those instructions its kernels
     convert to float32 on the fly: on a 2-core Intel Xeon without them, the Medusa heads'
     bf16 vocabulary projection of 6 rows took 2.9 ms against 1.3 ms in float32."""
-    if not _native:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            flags = next((line.partition(":")[2].split() for line in fh
+                          if line.split(":")[0].strip() in ("flags", "Features")), [])
+        return bool(_NATIVE_BF16_FLAGS & set(flags))
+    except OSError:
         try:
-            with open("/proc/cpuinfo") as fh:
-                flags = next((line.partition(":")[2].split() for line in fh
-                              if line.split(":")[0].strip() in ("flags", "Features")), [])
-            _native.append(bool(_NATIVE_BF16_FLAGS & set(flags)))
-        except OSError:
-            try:
-                _native.append(bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()))
-            except (AttributeError, RuntimeError):
-                _native.append(False)
-    return _native[0]
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
 
 
 class PackedLinear(nn.Module):
@@ -160,7 +160,7 @@ class PackedLinear(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // max(self.in_features, 1)
+        rows = x.numel() // self.in_features
         if rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows) or not self._usable(x):
             return nn.functional.linear(x, self.weight, self.bias)
         out = _packed_linear(x.reshape(-1, self.in_features), self._packed, self.bias)

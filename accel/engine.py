@@ -1,4 +1,4 @@
-"""The decode loop as small functions: prefill, propose, verify, accept, commit; and the
+"""The decode loop as small functions: prefill, draft (draft_rows), verify, accept, commit; and the
 :class:`Batch` that runs them for many requests at once.
 
 Every live row of a batch is verified in ONE forward pass per step (BASS, Qi et al. 2024).
@@ -26,7 +26,7 @@ from .cost_model import CostTable, DraftGuard, acceptance_gains, allocate_drafts
 from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
-__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "propose", "verify", "verify_logits", "accept", "commit",
+__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "draft_rows", "verify", "verify_logits", "accept", "commit",
            "decode", "draft_budgets", "draft_guard", "batch_steps", "run_batch"]
 
 # No fixed draft limit by default: the measured cost table sizes each step's drafts.
@@ -217,18 +217,6 @@ def _prompt_rows(prompts) -> list[torch.Tensor]:
     if isinstance(prompts, torch.Tensor):
         return [prompts.reshape(-1)] if prompts.dim() == 1 or prompts.shape[0] == 1 else list(prompts)
     return [p.reshape(-1) for p in prompts]
-
-
-def propose(plan: Plan, states: list[Any], ctx: DraftContext) -> tuple[DraftTree, torch.Tensor | None]:
-    """Ask every drafter for a tree and merge them below the root (one row; a batch drafts
-    with :func:`draft_rows`).
-
-    Returns the tree and, per draft node, the index of the drafter that proposed it (None
-    when nothing was proposed).
-    """
-    if not plan.drafters or ctx.max_tokens <= 0:
-        return DraftTree.root_only(int(ctx.tokens[-1]), device=ctx.tokens.device), None
-    return merge_tree([d.propose(s, ctx) for d, s in zip(plan.drafters, states)], ctx)
 
 
 def merge_tree(proposals: list[DraftProposal | None], ctx: DraftContext) -> tuple[DraftTree, torch.Tensor | None]:
@@ -509,7 +497,7 @@ class Batch:
         self.rows: list[Row] = []
         self._min_nodes: int | None = None
         self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32)
-        self.guard: DraftGuard | None = None  # this step's (see draft_guard), measured tables only
+        self.guard: DraftGuard | None = None  # this step's (see draft_guard): set when it may draft, measured tables only
 
     @property
     def min_nodes(self) -> int:
@@ -548,6 +536,7 @@ class Batch:
 
     def budgets(self) -> list[int]:
         """Draft nodes each live row may propose this step (see :func:`draft_budgets`)."""
+        self.guard = None
         if not any(r.plan.drafters for r in self.rows):
             return [0] * len(self.rows)
         if self.costs is None:
@@ -609,7 +598,7 @@ class Batch:
 
     def _judge(self, trees: list[DraftTree], accs: list[Acceptance], elapsed: float) -> None:
         """Report the step to the guard: tokens per row against the table's plain step."""
-        if self.guard is None or not any(r.plan.drafters for r in self.rows):
+        if self.guard is None:
             return
         rows = len(self.rows)
         emitted = sum(acc.accepted + 1 for acc in accs)

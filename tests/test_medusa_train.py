@@ -110,23 +110,31 @@ def test_distillation_learns_the_base_models_distribution_at_each_target():
     assert losses[-1] - floor < 0.8 * (losses[0] - floor)
 
 
-@pytest.mark.parametrize("sequential", [False, True])
-def test_a_few_training_steps_lower_the_loss(sequential):
-    model = make_tiny_model(seed=32)
+def _train_on(model, num_heads: int, sequential: bool, steps: int):
+    """Heads trained ``steps`` AdamW steps on ``model``'s greedy continuations of PROMPTS (the
+    examples in the model's dtype, as train_heads hands them over). Returns (heads, x, y,
+    output weight, input embeddings or None, the loss of each step)."""
     toks, states = generate_batch(model, CharTokenizer(), PROMPTS, max_new_tokens=24, eos=[])
     seqs = Sequences(torch.cat(toks), torch.cat(states), torch.tensor([t.numel() for t in toks]), torch.arange(len(toks)))
-    x, y = make_examples(seqs, num_heads=3)
-    heads = MedusaHeads(3, 64, TINY_VOCAB, sequential=sequential)
+    x, y = make_examples(seqs, num_heads=num_heads)
+    x = x.to(model.dtype)
+    heads = MedusaHeads(num_heads, 64, TINY_VOCAB, sequential=sequential)
     lm_weight = model.get_output_embeddings().weight.detach()
     embed = model.get_input_embeddings().weight.detach() if sequential else None
     opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
     losses = []
-    for _ in range(30):
-        loss, per_head = medusa_loss(heads, x, y, lm_weight, embed=embed)
+    for _ in range(steps):
+        loss, _ = medusa_loss(heads, x, y, lm_weight, embed=embed)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(float(loss.detach()))
+    return heads, x, y, lm_weight, embed, losses
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_a_few_training_steps_lower_the_loss(sequential):
+    heads, x, y, lm_weight, embed, losses = _train_on(make_tiny_model(seed=32), 3, sequential, steps=30)
     assert losses[-1] < 0.8 * losses[0]
     acc = evaluate_heads(heads, x, y, lm_weight, topk=5, embed=embed)
     assert len(acc) == 3 and all(len(r) == 5 and r == sorted(r) for r in acc)
@@ -140,21 +148,8 @@ def test_float32_heads_train_on_a_bfloat16_models_states(sequential):
     # a bfloat16 model hands over bfloat16 hidden states, embeddings and output rows; the
     # heads keep float32 weights and the projection runs in the output rows' dtype
     model = make_tiny_model(seed=32).to(torch.bfloat16)
-    toks, states = generate_batch(model, CharTokenizer(), PROMPTS, max_new_tokens=24, eos=[])
-    seqs = Sequences(torch.cat(toks), torch.cat(states), torch.tensor([t.numel() for t in toks]), torch.arange(len(toks)))
-    x, y = make_examples(seqs, num_heads=2)
-    x = x.to(torch.bfloat16)  # as train_heads hands them over: in the model's dtype
-    heads = MedusaHeads(2, 64, TINY_VOCAB, sequential=sequential)
-    lm_weight = model.get_output_embeddings().weight.detach()
-    embed = model.get_input_embeddings().weight.detach() if sequential else None
-    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(20):
-        loss, _ = medusa_loss(heads, x, y, lm_weight, embed=embed)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    heads, x, y, lm_weight, embed, losses = _train_on(model, 2, sequential, steps=20)
+    assert x.dtype == torch.bfloat16
     assert all(p.dtype == torch.float32 for p in heads.parameters())
     assert losses[-1] < 0.9 * losses[0]
     acc = evaluate_heads(heads, x, y, lm_weight, topk=3, embed=embed)
