@@ -9,6 +9,8 @@ dtype, torch threads, machine) by :func:`accel.timing.measure` and cached as JSO
   goes to stderr) and written atomically. A corrupt file, or one measured for something
   else, is ignored and measured again. ``ACCEL_CALIBRATION=off`` returns
   :func:`~accel.cost_model.static_table` without measuring.
+- :func:`prefer_int8` -- whether a model's one-token step runs faster with int8 weights
+  (:mod:`accel.quant`; for draft models), measured once and cached the same way.
 - :func:`calibration_key` / :func:`calibration_path` -- what a table is keyed by and where it
   lives; :func:`load_table` / :func:`save_table` read and write one file.
 """
@@ -19,8 +21,11 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
+import threading
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -30,7 +35,8 @@ import torch
 from . import adapter, timing
 from .cost_model import CostTable, static_table
 
-__all__ = ["calibration_enabled", "calibration_key", "calibration_path", "cost_table", "load_table", "save_table"]
+__all__ = ["calibration_enabled", "calibration_key", "calibration_path", "cost_table", "load_table",
+           "prefer_int8", "save_table"]
 
 _FORMAT = 2  # bump when the measurement changes meaning: older files are then re-measured
 _OFF = {"off", "0", "false", "no"}
@@ -126,11 +132,15 @@ def load_table(path: Path, key: dict[str, Any]) -> CostTable | None:
 
 def save_table(path: Path, table: CostTable) -> None:
     """Write ``table`` as JSON at ``path`` atomically (a temporary file, then a rename)."""
+    _save_json(path, table.to_dict())
+
+
+def _save_json(path: Path, data: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as fh:
-            json.dump(table.to_dict(), fh, indent=1, default=str)
+            json.dump(data, fh, indent=1, default=str)
             fh.write("\n")
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
@@ -165,3 +175,53 @@ def cost_table(
     table = replace(table, key=json.loads(json.dumps(key, default=str)))
     save_table(path, table)
     return table
+
+
+# ---------------------------------------------------------------------------- int8 drafts
+
+_INT8: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+_INT8_LOCK = threading.Lock()
+
+
+def prefer_int8(model, *, force: bool = False, repeats: int = 5) -> bool:
+    """Whether a one-token step of ``model`` is faster with int8 linear weights
+    (:func:`accel.quant.int8_copy`) than as loaded, on this machine.
+
+    Measured once per model kind and machine (a one-token pass over 256 cached entries,
+    float and int8 alternating, median of ``repeats`` each; about a second for a 0.5B
+    model) and cached beside the cost tables; kept per model object in the process. False
+    without measuring where int8 does not apply (not float32 on a CPU, no int8 kernel) and
+    with ``ACCEL_CALIBRATION=off``.
+    """
+    from .quant import int8_available, int8_copy
+
+    param = next(model.parameters())
+    if not calibration_enabled() or param.device.type != "cpu" or param.dtype != torch.float32 \
+            or not int8_available():
+        return False
+    with _INT8_LOCK:
+        if not force and model in _INT8:
+            return _INT8[model]
+        key = {**calibration_key(model), "measure": "int8 one-token step"}
+        path = calibration_path(key)
+        key_json = json.loads(json.dumps(key, default=str))
+        found = None
+        if not force:
+            try:
+                data = json.loads(path.read_text())
+                if data.get("key") == key_json:
+                    found = bool(data["int8_ms"] < data["float_ms"])
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                found = None
+        if found is None:
+            quantized = int8_copy(model)
+            cache = timing.filled_cache(model, 256)
+            times: dict[str, list[float]] = {"float": [], "int8": []}
+            for i in range(repeats):
+                for name, m in (("float", model), ("int8", quantized)):
+                    times[name] += timing.time_pass(m, cache, 1, repeats=1, warmup=1 if i == 0 else 0)
+            float_ms, int8_ms = statistics.median(times["float"]), statistics.median(times["int8"])
+            _save_json(path, {"key": key_json, "float_ms": round(float_ms, 3), "int8_ms": round(int8_ms, 3)})
+            found = int8_ms < float_ms
+        _INT8[model] = found
+        return found

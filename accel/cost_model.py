@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CostTable", "DraftGuard", "acceptance_gains", "allocate_drafts", "in_window", "packed_rows",
+__all__ = ["CostTable", "DraftCost", "DraftGuard", "acceptance_gains", "allocate_drafts", "in_window", "packed_rows",
            "static_table"]
 
 KERNELS = ("plain", "packed")
@@ -210,6 +210,7 @@ def allocate_drafts(
     max_per_row: int,
     drafter_ms: list[float] | None = None,
     min_nodes: int = 1,
+    drafter_ms_per_token: list[float] | None = None,
 ) -> list[int]:
     """How many draft tokens each row of a batch should verify in this step.
 
@@ -218,6 +219,8 @@ def allocate_drafts(
         ``len(gains[b])`` tokens and gets at most ``max_per_row``.
     drafter_ms[b] (optional): milliseconds row b's drafter costs in a step where it drafts
         at all (k_b > 0); rows that get no drafts do not pay it.
+    drafter_ms_per_token[b] (optional): what each of row b's k_b draft tokens adds to that
+        (a draft model runs one forward per token; see :class:`DraftCost`).
 
     The batched verify pass pads every row's tree to the step's largest, so a step that
     lets some row verify m drafts costs ``step_ms(B * (m + 1), cache_len)`` whatever the
@@ -237,10 +240,17 @@ def allocate_drafts(
         raise ValueError(f"max_per_row must be >= 0, got {max_per_row}")
     if drafter_ms is not None and len(drafter_ms) != rows:
         raise ValueError(f"drafter_ms has {len(drafter_ms)} entries for {rows} rows")
+    if drafter_ms_per_token is not None and len(drafter_ms_per_token) != rows:
+        raise ValueError(f"drafter_ms_per_token has {len(drafter_ms_per_token)} entries for {rows} rows")
     if rows == 0:
         return []
     caps = [min(max_per_row, len(g)) for g in gains]
     fixed = [float(x) for x in drafter_ms] if drafter_ms is not None else [0.0] * rows
+    per_token = [float(x) for x in drafter_ms_per_token] if drafter_ms_per_token is not None else [0.0] * rows
+
+    def own_ms(b: int, k: int) -> float:  # row b's drafter, drafting k tokens
+        return fixed[b] + per_token[b] * k
+
     prefix = [[0.0] for _ in range(rows)]  # prefix[b][j]: sum of row b's first j gains
     for b in range(rows):
         for i in range(caps[b]):
@@ -255,8 +265,8 @@ def allocate_drafts(
         while take:
             width = round_up(min(m, max(caps[b] for b in take)) + 1, min_nodes)
             value = rows + sum(prefix[b][min(m, caps[b])] for b in take)
-            ratio = value / (cost[rows * width] + sum(fixed[b] for b in take))
-            keep = [b for b in take if prefix[b][min(m, caps[b])] >= ratio * fixed[b]]
+            ratio = value / (cost[rows * width] + sum(own_ms(b, min(m, caps[b])) for b in take))
+            keep = [b for b in take if prefix[b][min(m, caps[b])] >= ratio * own_ms(b, min(m, caps[b]))]
             if len(keep) == len(take):
                 break
             take = keep
@@ -264,6 +274,56 @@ def allocate_drafts(
             best_ratio = ratio
             best = [min(m, caps[b]) if b in take else 0 for b in range(rows)]
     return best
+
+
+@dataclass
+class DraftCost:
+    """A running fit of what a row's drafters cost per step, as a line in the tokens drafted:
+    ``ms(k) = fixed + per_token * k``.
+
+    Prompt lookup and Medusa cost about the same whatever they propose; a draft model runs
+    one forward of its own per draft token, so its cost grows with k and the allocation must
+    know it. Each step reports ``(k, ms)``; the fit is least squares on exponentially
+    decaying weights (``decay`` on the past). With one k seen so far the cost is all
+    ``fixed``; neither part is ever negative.
+    """
+
+    decay: float = 0.8
+    _w: float = 0.0  # decayed sums of 1, k, ms, k*k, k*ms
+    _k: float = 0.0
+    _m: float = 0.0
+    _kk: float = 0.0
+    _km: float = 0.0
+
+    def observe(self, k: int, ms: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1.0
+        self._k = d * self._k + k
+        self._m = d * self._m + ms
+        self._kk = d * self._kk + k * k
+        self._km = d * self._km + k * ms
+
+    @property
+    def seen(self) -> bool:
+        return self._w > 0
+
+    def fit(self) -> tuple[float, float]:
+        """``(fixed, per_token)`` milliseconds; (0, 0) before any observation."""
+        if not self._w:
+            return 0.0, 0.0
+        k, m = self._k / self._w, self._m / self._w
+        var = self._kk / self._w - k * k
+        if var <= 1e-6 * (1.0 + k * k):
+            return max(m, 0.0), 0.0
+        slope = max((self._km / self._w - k * m) / var, 0.0)
+        fixed = m - slope * k
+        if fixed < 0:  # the line through the origin and the mean
+            return 0.0, (m / k if k > 0 else 0.0)
+        return fixed, slope
+
+    def at(self, k: int) -> float:
+        fixed, slope = self.fit()
+        return fixed + slope * k
 
 
 # ---------------------------------------------------------------------------- the guard

@@ -22,7 +22,7 @@ import torch
 from . import adapter, calibrate, invariance
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
-from .cost_model import CostTable, DraftGuard, acceptance_gains, allocate_drafts, round_up
+from .cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, round_up
 from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
@@ -54,8 +54,10 @@ def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_p
     gains = [acceptance_gains(r.acceptance_rate, min(max_per_row, 2 ** min(r.drafted_steps, 30)))
              if r.plan.drafters else [] for r in rows]
     # the static table (calibration off) is a shape in units of one step, not milliseconds
-    drafter_ms = [r.draft_ms for r in rows] if table.measured else None
-    return allocate_drafts(table, cache_len, gains, max_per_row, drafter_ms=drafter_ms, min_nodes=min_nodes)
+    fits = [r.draft_cost.fit() for r in rows] if table.measured else None
+    return allocate_drafts(table, cache_len, gains, max_per_row, min_nodes=min_nodes,
+                           drafter_ms=[f for f, _ in fits] if fits else None,
+                           drafter_ms_per_token=[t for _, t in fits] if fits else None)
 
 
 # The guards of each model's batches, by (batch size rounded up to a power of two, drafter
@@ -417,10 +419,11 @@ class Row:
     tag: Any = None  # the caller's handle for this row
     # Running estimate of the chance that a draft token is accepted given its parent was (a
     # geometric fit to recent accepted depths, hits / (hits + misses)), and of the drafters'
-    # milliseconds per step; they size the row's drafts (Batch.budgets).
+    # milliseconds per step (a line in the tokens drafted); they size the row's drafts
+    # (Batch.budgets).
     hits: float = 1.0
     misses: float = 1.0
-    draft_ms: float = 0.0
+    draft_cost: DraftCost = field(default_factory=DraftCost)
     drafted_steps: int = 0  # steps in which this row verified drafts (the slow start of draft_budgets)
 
     @property
@@ -441,8 +444,7 @@ class Row:
         self.drafted_steps += 1
         self.hits = 0.9 * self.hits + acc.accepted
         self.misses = 0.9 * self.misses + (1.0 if acc.accepted < deepest else 0.0)
-        ms = draft_s * 1e3
-        self.draft_ms = 0.8 * self.draft_ms + 0.2 * ms if self.draft_ms else ms
+        self.draft_cost.observe(tree.num_drafts, draft_s * 1e3)
 
     @property
     def done(self) -> bool:

@@ -439,3 +439,101 @@ def test_guard_ignores_meaningless_speeds():
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         guard.observe(True, bad)
     assert guard.tried == 0 and guard.draft is None and guard.allow()
+
+
+# ---------------------------------------------------------------------------- per-token drafter costs
+
+
+def test_a_per_token_drafter_cost_stops_the_chain_where_it_stops_paying():
+    gains = [acceptance_gains(0.9, 8)]
+    # 10 ms a step whatever it verifies; each draft token costs its drafter 3 ms more: the
+    # tokens per ms (1 + 0.9 + ... + 0.9**m) / (10 + 3 m) peak at m = 5
+    assert allocate_drafts(FLAT, 256, gains, max_per_row=8, drafter_ms=[0.0], drafter_ms_per_token=[3.0]) == [5]
+    assert allocate_drafts(FLAT, 256, gains, max_per_row=8, drafter_ms=[0.0], drafter_ms_per_token=[0.0]) == [8]
+    # a draft token that costs three plain steps never pays
+    assert allocate_drafts(FLAT, 256, gains, max_per_row=8, drafter_ms_per_token=[30.0]) == [0]
+    with pytest.raises(ValueError, match="drafter_ms_per_token"):
+        allocate_drafts(FLAT, 256, gains, max_per_row=8, drafter_ms_per_token=[1.0, 2.0])
+
+
+def test_draft_cost_fits_a_line_in_the_tokens_drafted():
+    from accel.cost_model import DraftCost
+
+    assert DraftCost().fit() == (0.0, 0.0) and not DraftCost().seen
+    chain = DraftCost()  # a draft model: 45 ms a token, nothing fixed
+    for k in (1, 2, 4, 5, 5):
+        chain.observe(k, 45.0 * k)
+    fixed, per_token = chain.fit()
+    assert fixed == pytest.approx(0.0, abs=1e-6) and per_token == pytest.approx(45.0)
+    mixed = DraftCost()
+    for k in (1, 2, 4, 8):
+        mixed.observe(k, 10.0 + 3.0 * k)
+    assert mixed.fit() == pytest.approx((10.0, 3.0)) and mixed.at(5) == pytest.approx(25.0)
+    flat = DraftCost()  # one k seen: all of it fixed
+    for _ in range(3):
+        flat.observe(4, 7.0)
+    assert flat.fit() == pytest.approx((7.0, 0.0))
+    falling = DraftCost()  # cheaper with more tokens (noise): never a negative slope
+    for k, ms in ((1, 9.0), (4, 3.0)):
+        falling.observe(k, ms)
+    assert falling.fit()[1] == 0.0 and falling.fit()[0] > 0
+    steep = DraftCost()  # a line that would cross below zero: through the origin instead
+    for k, ms in ((1, 1.0), (2, 20.0)):
+        steep.observe(k, ms)
+    fixed, per_token = steep.fit()
+    assert fixed == 0.0 and per_token > 0 and steep.at(1) > 0
+
+
+# ---------------------------------------------------------------------------- int8 drafts
+
+
+@pytest.fixture
+def fake_int8_times(monkeypatch):
+    """time_pass answers from a table by whether the model has int8 layers; counts calls."""
+    from accel.quant import is_int8
+
+    times = {"float": 10.0, "int8": 5.0, "calls": 0}
+
+    def fake(model, cache, tokens, repeats, warmup=1):
+        times["calls"] += 1
+        return [times["int8" if is_int8(model) else "float"]] * repeats
+
+    monkeypatch.setattr(timing, "time_pass", fake)
+    monkeypatch.setattr(calibrate, "_INT8", type(calibrate._INT8)())
+    return times
+
+
+@pytest.mark.parametrize("int8_ms, expected", [(5.0, True), (20.0, False)])
+def test_prefer_int8_measures_once_then_reads_the_cache(calib_cache, fake_int8_times, int8_ms, expected):
+    model = make_tiny_model()
+    fake_int8_times["int8"] = int8_ms
+    assert calibrate.prefer_int8(model) is expected
+    measured = fake_int8_times["calls"]
+    assert measured >= 2
+    files = [p for p in (calib_cache / "calibration").glob("*.json")]
+    assert len(files) == 1 and json.loads(files[0].read_text())["int8_ms"] == int8_ms
+    assert calibrate.prefer_int8(model) is expected and fake_int8_times["calls"] == measured  # kept in memory
+    calibrate._INT8.clear()
+    fake_int8_times["int8"] = 10.0 * 4  # a new measurement would now say the opposite of a win
+    assert calibrate.prefer_int8(make_tiny_model()) is expected and fake_int8_times["calls"] == measured  # the file
+    assert calibrate.prefer_int8(model, force=True) is False and fake_int8_times["calls"] > measured
+
+
+def test_prefer_int8_is_off_without_calibration_or_off_a_float32_cpu_model(calib_cache, fake_int8_times, monkeypatch):
+    assert calibrate.prefer_int8(make_tiny_model().to(torch.bfloat16)) is False
+    monkeypatch.setenv("ACCEL_CALIBRATION", "off")
+    assert calibrate.prefer_int8(make_tiny_model()) is False
+    assert fake_int8_times["calls"] == 0
+
+
+@pytest.mark.parametrize("int8_ms, expected", [(5.0, True), (20.0, False)])
+def test_auto_quantize_drafts_in_int8_where_it_measured_faster(calib_cache, fake_int8_times, int8_ms, expected):
+    from accel.quant import is_int8
+    from speculative import DraftModel
+
+    target, draft = make_tiny_model(seed=1), make_tiny_model(seed=2)
+    fake_int8_times["int8"] = int8_ms
+    assert is_int8(DraftModel(model=draft).resolve(target)[0]) is expected
+    assert is_int8(DraftModel(model=draft, quantize="int8").resolve(target)[0])
+    assert not is_int8(DraftModel(model=draft, quantize="none").resolve(target)[0])
+    assert not is_int8(draft)  # the loaded model is never changed

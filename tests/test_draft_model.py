@@ -51,11 +51,11 @@ TARGET = dict(seed=11)
 @pytest.mark.parametrize("draft_kind, where", [
     ("small_random", "none"), ("garbage", "none"), ("noisy_copy", "none"), ("same_weights", "none"),
     ("noisy_copy", "draft_snapkv"), ("noisy_copy", "draft_ada"), ("noisy_copy", "target_snapkv"),
-    ("garbage", "target_snapkv"),
+    ("garbage", "target_snapkv"), ("noisy_copy", "int8"), ("garbage", "int8"),
 ])
 def test_greedy_equals_plain_greedy(draft_kind, where):
     """where: no compression, SnapKV / AdaSnapKV (padded per-head budgets) on the draft
-    model's cache, or SnapKV on the target's."""
+    model's cache, SnapKV on the target's, or the draft in int8 weights."""
     target = make_tiny_model(**TARGET)
     draft = {
         "small_random": lambda: make_tiny_model(seed=5, **SMALL_DRAFT),
@@ -68,12 +68,36 @@ def test_greedy_equals_plain_greedy(draft_kind, where):
                 "draft_ada": AdaSnapKV(budget=16, window=4, kernel=3)}.get(where)
     base = [SnapKV(budget=16, window=4, kernel=3)] if where == "target_snapkv" else []
     ref = _greedy(target, ids, base)
-    out = _greedy(target, ids, base + [DraftModel(model=draft, num_tokens=4, compress=compress)])
+    quantize = "int8" if where == "int8" else "none"
+    out = _greedy(target, ids, base + [DraftModel(model=draft, num_tokens=4, compress=compress, quantize=quantize)])
     assert torch.equal(out.sequences, ref.sequences)
     assert out.stats.drafted_tokens > 0
     if draft_kind == "same_weights":  # the draft computes what the verifier does: all accepted
         assert out.stats.accepted_tokens == out.stats.drafted_tokens
         assert out.stats.accepted_per_step[:3] == [1, 2, 4]  # the slow start, then num_tokens each step
+
+
+def test_int8_draft_of_the_target_itself_agrees_mostly_and_stays_exact():
+    """The target drafting for itself in int8: its drafts are the int8 model's greedy chain
+    (not the float one's), most of them accepted, the output the float target's."""
+    from accel.quant import int8_copy, is_int8
+
+    target = make_tiny_model(**TARGET)
+    ids = _prompt(3, 40)
+    strategy = DraftModel(model=target, num_tokens=4, quantize="int8")
+    drafter, _ = strategy.resolve(target)
+    assert drafter is int8_copy(target) and is_int8(drafter) and not is_int8(target)
+    out = _greedy(target, ids, [strategy])
+    assert torch.equal(out.sequences, _greedy(target, ids).sequences)
+    assert out.stats.accepted_tokens >= 0.6 * out.stats.drafted_tokens > 0
+
+
+def test_int8_of_a_draft_that_cannot_have_it_is_refused():
+    target = make_tiny_model(**TARGET)
+    with pytest.raises(ValueError, match="quantize='int8'.*float32"):
+        _greedy(target, _prompt(3, 20), [DraftModel(model=deepcopy(target).to(torch.bfloat16), quantize="int8")])
+    with pytest.raises(StrategyError, match="quantize"):
+        build_strategy({"name": "draft_model", "model": "default", "quantize": "int4"})
 
 
 def test_batch_rows_keep_their_own_draft_state():
@@ -310,10 +334,13 @@ def _emitted(target, strategies, runs: int, seed: int) -> torch.Tensor:
     return counts
 
 
-def test_sampling_with_a_draft_model_is_lossless(sampled_drafts):
+@pytest.mark.parametrize("quantize", ["none", "int8"])
+def test_sampling_with_a_draft_model_is_lossless(sampled_drafts, quantize):
+    """With int8 draft weights too: q is then the quantized draft's, and what is emitted
+    still follows the target."""
     target, draft = _peaked(3), _peaked(4)
     marginals = _marginals(target, PROMPT)
-    strategy = DraftModel(model=draft, num_tokens=2)
+    strategy = DraftModel(model=draft, num_tokens=2, quantize=quantize)
     counts = _emitted(target, [strategy], runs=800, seed=0)
     assert sampled_drafts["sampled"] > 0 and sampled_drafts["greedy"] == 0
     for j in range(3):
