@@ -281,9 +281,9 @@ def test_failed_runs_are_recorded_and_unavailable_baselines_reported(tmp_path, m
 
     real = runner._accel_run
 
-    def flaky(model, strategies, eos, max_draft):
+    def flaky(model, strategies, eos, max_draft, sampling):
         if not strategies:
-            return real(model, strategies, eos, max_draft)
+            return real(model, strategies, eos, max_draft, sampling)
 
         def boom(item, max_new_tokens):
             raise RuntimeError("boom")
@@ -327,6 +327,36 @@ def test_draft_model_run_and_hf_assisted_baseline(tmp_path):
     out = run_experiment(load_config(_write(tmp_path, missing)), tmp_path / "out2", model=make_tiny_model(),
                          tokenizer=CharTokenizer(), quiet=True)
     assert "**unavailable:** draft model" in (out / "summary.md").read_text()
+
+
+def test_sampled_runs_are_seeded_per_item_and_not_compared(tmp_path):
+    import accel
+    from accel.bench.runner import Sampling
+
+    data = dict(GOOD, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate"],
+                runs={"accel_plain": [], "pl": ["prompt_lookup:num_tokens=4"]},
+                generation={"max_new_tokens": 10, "temperature": 0.7, "top_p": 0.9})
+    exp = load_config(_write(tmp_path, data))
+    model = make_tiny_model()
+    out = run_experiment(exp, tmp_path / "out", model=model, tokenizer=CharTokenizer(), quiet=True)
+    rows = _rows(out)
+    assert not [r["error"] for r in rows if r["error"]]
+    assert all(r["exact"] is None and r["agreement"] is None for r in rows)
+    assert "sampled at temperature 0.7, top_p 0.9" in (out / "summary.md").read_text()
+    # each accel row is accel.generate with the item's seed: rerunning it gives the same tokens
+    items = {i.item_id: i for i in build_items(exp, CharTokenizer())}
+    sampling = Sampling(0.7, 0.9, exp.seed)
+    for r in (r for r in rows if r["config"] == "accel_plain"):
+        item = items[r["item"]]
+        again = accel.generate(model, item.input_ids, max_new_tokens=10, temperature=0.7, top_p=0.9,
+                               seed=sampling.item_seed(item), eos_token_id=[CharTokenizer.eos_token_id])
+        assert CharTokenizer().decode(again.sequences[0, item.prompt_tokens:].tolist()) == r["text"]
+    assert sampling.item_seed(items[rows[0]["item"]]) != sampling.item_seed(items[rows[-1]["item"]])
+
+    for bad, field in ((dict(data, batch_sizes=[1, 2]), "generation.temperature"),
+                       (dict(data, generation={"top_p": 0.5}), "generation.top_p")):
+        with pytest.raises(ConfigError, match=field):
+            load_config(_write(tmp_path, bad))
 
 
 # --------------------------------------------------------------------------- batched and arrivals
@@ -491,3 +521,36 @@ def test_unrunnable_baseline_and_reference_in_batched_mode(tmp_path, monkeypatch
         run_experiment(load_config(_write(tmp_path, bad, "bad.yaml")), tmp_path / "bad", model=make_tiny_model(),
                        tokenizer=CharTokenizer(), quiet=True)
     assert not (tmp_path / "bad").exists()
+
+
+def test_code_file_items_fit_their_length_at_a_line_boundary(tmp_path):
+    code = "\n".join(f"def f{i}(x):\n    return x + {i}" for i in range(200))
+    (tmp_path / "mod.py").write_text(code)
+    data = dict(GOOD, tasks=[{"kind": "code_file", "files": ["mod.py"], "lengths": [300, 900],
+                              "instruction": "Return it."}])
+    exp = load_config(_write(tmp_path, data))
+    items = build_items(exp, CharTokenizer())
+    assert [i.item_id for i in items] == ["mod-L300", "mod-L900"]
+    for item, length in zip(items, (300, 900)):
+        text = CharTokenizer().decode(item.input_ids[0].tolist())
+        assert item.prompt_tokens <= length and item.meta["lines"] > 1
+        body = text.split("```python\n", 1)[1].split("\n```", 1)[0]
+        assert body == "\n".join(code.splitlines()[: item.meta["lines"]])  # whole lines, from the top
+        assert text.rstrip().endswith("Return it.\n<assistant>".rstrip())
+        # one line more would not fit
+        longer = "\n".join(code.splitlines()[: item.meta["lines"] + 1])
+        assert len(text) - len(body) + len(longer) > length
+    with pytest.raises(ConfigError, match=r"tasks\[0\]\.files\[0\]: no such file"):
+        load_config(_write(tmp_path, dict(data, tasks=[{"kind": "code_file", "files": ["nowhere.py"]}])))
+
+
+def test_warm_up_prompts_are_cut_to_their_last_tokens():
+    from accel.bench.runner import WARMUP_PROMPT, _warmup_item
+    from accel.bench.tasks import TaskItem
+
+    long = TaskItem(task="t", kind="chat", item_id="x", input_ids=torch.arange(WARMUP_PROMPT + 50).unsqueeze(0))
+    cut = _warmup_item(long)
+    assert cut.prompt_tokens == WARMUP_PROMPT and cut.input_ids[0, -1] == long.input_ids[0, -1]
+    assert long.prompt_tokens == WARMUP_PROMPT + 50  # the item itself is untouched
+    short = TaskItem(task="t", kind="chat", item_id="y", input_ids=torch.arange(10).unsqueeze(0))
+    assert _warmup_item(short) is short

@@ -3,7 +3,7 @@
 Layout:
 
 - :mod:`.schema`: the experiment file (pydantic), ``--set`` overrides, :class:`ConfigError`.
-- :mod:`.tasks`: needle / long_doc / chat items, generated from the seed (nothing downloaded).
+- :mod:`.tasks`: needle / long_doc / chat / code_file items, generated from the seed (nothing downloaded).
 - :mod:`.runner`: configurations (HF baselines and accel runs), the warmed-up, interleaved grid.
 - :mod:`.batched`: how each configuration runs a batch, and requests arriving over time.
 - :mod:`.report`: summary.md and the PNG plots.

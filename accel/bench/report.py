@@ -176,7 +176,11 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         f"- **Model:** {machine['model']} ({machine['model_name'] or machine['model_class']}, "
         f"{machine['model_class']}, {params:.1f}M parameters), {machine['dtype']} on {machine['device']}"
         + ("; linear weights prepacked for oneDNN (`accel.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
-        f"- **Generation:** greedy, max_new_tokens {gen['max_new_tokens']}, max_draft_tokens "
+        f"- **Generation:** "
+        + ("greedy" if not gen.get("temperature") else
+           f"sampled at temperature {gen['temperature']}" + (f", top_p {gen['top_p']}" if gen.get("top_p") else "")
+           + " (seeded per item; outputs not compared token by token)")
+        + f", max_new_tokens {gen['max_new_tokens']}, max_draft_tokens "
         f"{gen['max_draft_tokens']}; {exp['repeats']} repeat(s); seed {exp['seed']}; warm-up "
         f"{exp['warmup_tokens']} tokens per configuration; configurations interleaved (rotated order per "
         + (f"group of B items; batch sizes {', '.join(map(str, exp['batch_sizes']))})" if batched else "item)"),

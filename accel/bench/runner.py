@@ -18,7 +18,9 @@ What is measured (all wall-clock, ``time.perf_counter``, under ``torch.inference
 - KV bytes: accel's own count of kept vs full entries; baselines keep everything
   (``prompt + new - 1`` entries of ``adapter.geometry(model).entry_bytes()``).
 
-Order: one untimed warm-up per configuration on the first item, then for each repeat r and
+Order: one untimed warm-up per configuration on the first item (its prompt cut to its last
+``WARMUP_PROMPT`` tokens: a warm-up loads and initialises, it need not repeat a long prefill),
+then for each repeat r and
 item i every configuration once, in the configuration order rotated by ``r + i`` so slow
 drift of a shared machine spreads over all configurations.
 
@@ -40,8 +42,9 @@ import math
 import os
 import threading
 import time
+import zlib
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -201,17 +204,43 @@ def _plain_kernels(model: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _hf_generate(model: Any, eos: list[int], pad: int, extra: dict[str, Any]) -> Callable[[TaskItem, int], Measurement]:
+@dataclass(frozen=True)
+class Sampling:
+    """The experiment's sampling settings (temperature 0: greedy) and the seed of each item."""
+
+    temperature: float = 0.0
+    top_p: float | None = None
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def item_seed(self, item: TaskItem) -> int:
+        """The seed of an item's runs: the same for every configuration and repeat."""
+        return (self.seed * 1_000_003 + zlib.crc32(f"{item.task}/{item.item_id}".encode())) % 2**31
+
+    def hf(self) -> dict[str, Any]:
+        if self.greedy:
+            return {"do_sample": False}
+        out = {"do_sample": True, "temperature": self.temperature, "top_k": 0, "repetition_penalty": 1.0}
+        return out | ({"top_p": self.top_p} if self.top_p is not None else {})
+
+
+def _hf_generate(model: Any, eos: list[int], pad: int, extra: dict[str, Any],
+                 sampling: Sampling = Sampling()) -> Callable[[TaskItem, int], Measurement]:
     geo = adapter.geometry(model)
 
     def run(item: TaskItem, max_new_tokens: int) -> Measurement:
         ids = item.input_ids.to(geo.device)
         timer = bt.ChunkTimer()  # one token per step for greedy, accepted drafts + 1 for prompt lookup
+        if not sampling.greedy:
+            torch.manual_seed(sampling.item_seed(item))
         sync_device(geo.device)
         timer.start()
         out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
-            eos_token_id=eos or None, pad_token_id=pad, streamer=timer, **extra,
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None, pad_token_id=pad, streamer=timer, **sampling.hf(), **extra,
         )
         sync_device(geo.device)
         e2e = time.perf_counter() - timer.t0
@@ -255,7 +284,8 @@ def _kvpress(model: Any, eos: list[int], pad: int, spec: KVPressSnapKV) -> tuple
     return run, None
 
 
-def _hf_assisted(model: Any, eos: list[int], pad: int, spec: HFAssisted) -> tuple[Callable | None, str | None]:
+def _hf_assisted(model: Any, eos: list[int], pad: int, spec: HFAssisted,
+                 sampling: Sampling = Sampling()) -> tuple[Callable | None, str | None]:
     """transformers' assisted generation with the draft model ``spec.model`` (the same shared
     object an accel ``draft_model`` run of that name drafts with); unavailable, with the
     reason, when the draft model is not on this machine."""
@@ -272,10 +302,11 @@ def _hf_assisted(model: Any, eos: list[int], pad: int, spec: HFAssisted) -> tupl
         "num_assistant_tokens_schedule": spec.schedule,
         "assistant_confidence_threshold": spec.confidence_threshold,
     }
-    return _hf_generate(model, eos, pad, extra), None
+    return _hf_generate(model, eos, pad, extra, sampling), None
 
 
-def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft: int | None) -> Callable[[TaskItem, int], Measurement]:
+def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft: int | None,
+               sampling: Sampling = Sampling()) -> Callable[[TaskItem, int], Measurement]:
     import accel
 
     geo = adapter.geometry(model)
@@ -284,8 +315,10 @@ def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft
         ids = item.input_ids.to(geo.device)
         sync_device(geo.device)
         t0 = time.perf_counter()
+        sampled = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                                               "seed": sampling.item_seed(item)}
         result = accel.generate(model, ids, strategies=strategies, max_new_tokens=max_new_tokens,
-                                eos_token_id=eos, max_draft_tokens=max_draft)
+                                eos_token_id=eos, max_draft_tokens=max_draft, **sampled)
         sync_device(geo.device)
         e2e = time.perf_counter() - t0
         st = result.stats
@@ -352,27 +385,31 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
         pad = getattr(model.generation_config, "pad_token_id", None)
     if pad is None:
         pad = eos[0] if eos else 0
-    max_draft = experiment.generation.max_draft_tokens
+    gen = experiment.generation
+    max_draft = gen.max_draft_tokens
+    sampling = Sampling(gen.temperature, gen.top_p, experiment.seed)
+    verb = "do_sample=False" if sampling.greedy else f"do_sample=True, temperature={gen.temperature}" + (
+        f", top_p={gen.top_p}" if gen.top_p is not None else "")
     configs = []
     for b in experiment.baselines:
         if isinstance(b, HFGenerate):
             configs.append(Configuration(
-                b.name, "baseline", "model.generate(do_sample=False); batched: left padding + attention mask; "
-                "arrivals: static batches", False, _hf_generate(model, eos, pad, {}),
+                b.name, "baseline", f"model.generate({verb}); batched: left padding + attention mask; "
+                "arrivals: static batches", False, _hf_generate(model, eos, pad, {}, sampling),
                 batch=bt.hf_generate_batched(model, eos, pad), serve=bt.hf_static_batches(model, eos, pad)))
         elif isinstance(b, HFGenerateUnpacked):
             configs.append(Configuration(
-                b.name, "baseline", "model.generate(do_sample=False) on plain (unpacked) linear kernels; batched: left "
+                b.name, "baseline", f"model.generate({verb}) on plain (unpacked) linear kernels; batched: left "
                 "padding + attention mask; arrivals: static batches", False,
-                _plain_kernels(model, _hf_generate(model, eos, pad, {})),
+                _plain_kernels(model, _hf_generate(model, eos, pad, {}, sampling)),
                 batch=_plain_kernels(model, bt.hf_generate_batched(model, eos, pad)),
                 serve=_plain_kernels(model, bt.hf_static_batches(model, eos, pad))))
         elif isinstance(b, HFPromptLookup):
             extra = {"prompt_lookup_num_tokens": b.num_tokens, "max_matching_ngram_size": b.max_ngram}
-            fn = _hf_generate(model, eos, pad, extra)
+            fn = _hf_generate(model, eos, pad, extra, sampling)
             configs.append(Configuration(
                 b.name, "baseline",
-                f"model.generate(do_sample=False, prompt_lookup_num_tokens={b.num_tokens}, "
+                f"model.generate({verb}, prompt_lookup_num_tokens={b.num_tokens}, "
                 f"max_matching_ngram_size={b.max_ngram})", True, fn, batch=_one_row(fn), max_batch=1,
                 batch_note="transformers' assisted generation takes one row per call", serve_note=_NO_SERVICE))
         elif isinstance(b, HFGenerateBatch):
@@ -384,9 +421,9 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
                 f"max_batch_tokens {b.max_batch_tokens}", False, _single(batch), why,
                 batch=batch, serve=bt.cb_arrivals(model, eos, pad, b)))
         elif isinstance(b, HFAssisted):
-            fn, why = _hf_assisted(model, eos, pad, b)
+            fn, why = _hf_assisted(model, eos, pad, b, sampling)
             configs.append(Configuration(
-                b.name, "baseline", f"model.generate(do_sample=False, assistant_model={b.model}, "
+                b.name, "baseline", f"model.generate({verb}, assistant_model={b.model}, "
                 f"num_assistant_tokens={b.num_tokens}, num_assistant_tokens_schedule={b.schedule}, "
                 f"assistant_confidence_threshold={b.confidence_threshold})", True, fn, why,
                 batch=_one_row(fn) if fn is not None else None, max_batch=1,
@@ -403,7 +440,7 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
         strategies = build_strategies(specs)
         configs.append(Configuration(
             name, "run", _spec_text(strategies), any(s.drafts for s in strategies),
-            _accel_run(model, strategies, eos, max_draft),
+            _accel_run(model, strategies, eos, max_draft, sampling),
             batch=bt.accel_batched(model, strategies, eos, pad, max_draft),
             serve=bt.accel_arrivals(model, strategies, eos, max_draft)))
     return configs
@@ -472,7 +509,7 @@ def run_grid(
         for c in warm:
             step(f"warm-up {c.name}", 0)
             try:
-                c.generate(items[0], min(experiment.warmup_tokens, gen.max_new_tokens))
+                c.generate(_warmup_item(items[0]), min(experiment.warmup_tokens, gen.max_new_tokens))
             except Exception:
                 pass  # the timed runs record the error
             step(f"warm-up {c.name}", 1)
@@ -495,7 +532,8 @@ def run_grid(
                     row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 group[c.name] = row
                 step(f"r{r} {item.task}/{item.item_id} {c.name}", 1)
-            ref = outputs.get(experiment.reference) if experiment.reference in names else None
+            # sampled outputs are draws, not a reference to match: they are not compared
+            ref = outputs.get(experiment.reference) if experiment.reference in names and gen.temperature == 0 else None
             for name, row in group.items():
                 if name in outputs and ref is not None:
                     row["agreement"] = _agreement(outputs[name], ref)
@@ -506,6 +544,16 @@ def run_grid(
                     rows.append(group[c.name])
             out.flush()
     return rows
+
+
+WARMUP_PROMPT = 256
+
+
+def _warmup_item(item: TaskItem) -> TaskItem:
+    """``item`` with its prompt cut to its last :data:`WARMUP_PROMPT` tokens."""
+    if item.prompt_tokens <= WARMUP_PROMPT:
+        return item
+    return replace(item, input_ids=item.input_ids[:, -WARMUP_PROMPT:])
 
 
 def _row(experiment: Experiment, c: Configuration, item: TaskItem, repeat: int) -> dict[str, Any]:

@@ -112,7 +112,25 @@ class ChatTask(_Model):
     """A UTF-8 text file, one prompt per line (relative to the experiment file)."""
 
 
-Task = Annotated[Union[NeedleTask, LongDocTask, ChatTask], Field(discriminator="kind")]
+class CodeFileTask(_Model):
+    """Long code prompts: each source file in ``files``, cut at a line boundary to fit each
+    of ``lengths`` tokens, followed by ``instruction``. No reference answer: scored by
+    agreement only."""
+
+    kind: Literal["code_file"] = "code_file"
+    name: str | None = None
+    """Task name in tables and plots (default: the kind)."""
+    files: list[str] = Field(min_length=1)
+    """UTF-8 source files (relative to the experiment file)."""
+    lengths: list[Annotated[int, Field(gt=0)]] = Field(default_factory=lambda: [4000], min_length=1)
+    """Target prompt lengths in tokens."""
+    instruction: str = Field(
+        "Return the code above unchanged, except that each function gets a one-line comment above it "
+        "saying what it does.", min_length=1)
+    """What to do with the code."""
+
+
+Task = Annotated[Union[NeedleTask, LongDocTask, ChatTask, CodeFileTask], Field(discriminator="kind")]
 
 
 # --------------------------------------------------------------------------- baselines
@@ -202,7 +220,7 @@ BASELINE_NAMES = ("hf_generate", "hf_generate_unpacked", "hf_prompt_lookup", "hf
 
 
 class Generation(_Model):
-    """Generation settings shared by every configuration (greedy decoding)."""
+    """Generation settings shared by every configuration (greedy unless ``temperature`` > 0)."""
 
     max_new_tokens: int = Field(64, gt=0)
     """Tokens generated per item at most (all configurations stop at the model's eos too)."""
@@ -211,6 +229,13 @@ class Generation(_Model):
     engine's; the measured cost table sizes each step, ``accel.engine.draft_budgets``)."""
     system: str | None = None
     """Optional system message for the chat template (default: the template's own)."""
+    temperature: float = Field(0.0, ge=0)
+    """0: greedy. Above 0: every configuration samples (``do_sample=True`` for the baselines),
+    seeded per item and repeat from the experiment's ``seed``; outputs are then not compared
+    token by token (lossless sampling keeps the distribution, not the tokens: its check is
+    the engine-level distribution test). One request at a time only."""
+    top_p: float | None = Field(None, gt=0, le=1)
+    """Nucleus sampling with ``temperature`` > 0 (None: off)."""
 
 
 class Arrivals(_Model):
@@ -251,7 +276,7 @@ class Experiment(_Model):
     threads: int | None = Field(None, gt=0)
     """torch intra-op threads (default: torch's choice)."""
     tasks: list[Task] = Field(min_length=1)
-    """What to generate for: needle, long_doc and chat tasks."""
+    """What to generate for: needle, long_doc, chat and code_file tasks."""
     runs: dict[str, list[Any]] = Field(default_factory=dict)
     """Named accel configurations: each a list of strategy specs (``"snapkv:budget=512"`` or
     ``{name: snapkv, budget: 512}``), ``[]`` for accel's plain decoding."""
@@ -272,8 +297,8 @@ class Experiment(_Model):
     arrivals: Arrivals | None = None
     """Also run the requests-arriving-over-time scenario (None: not run)."""
     warmup_tokens: int = Field(16, ge=0)
-    """Untimed warm-up of every configuration on the first item, generating this many tokens
-    (0: no warm-up)."""
+    """Untimed warm-up of every configuration on the first item (its prompt's last 256
+    tokens), generating this many tokens (0: no warm-up)."""
     seed: int = 0
     """Seeds task generation (haystacks, pass keys, documents) and torch."""
     output: str | None = None
@@ -317,6 +342,11 @@ class Experiment(_Model):
             problems.append(f"batch_sizes: {b} is listed twice")
         if self.arrivals is not None and self.arrivals.task is not None and self.arrivals.task not in names:
             problems.append(f"arrivals.task: {self.arrivals.task!r} is not a task (have: {', '.join(names)})")
+        if self.generation.temperature > 0 and (self.batch_sizes != [1] or self.arrivals is not None):
+            problems.append("generation.temperature: sampled runs are measured one request at a time; "
+                            "leave batch_sizes at [1] and arrivals unset")
+        if self.generation.top_p is not None and self.generation.temperature == 0:
+            problems.append("generation.top_p: needs generation.temperature > 0")
         if self.reference not in self.configuration_names():
             problems.append(
                 f"reference: {self.reference!r} is neither a baseline nor a run "
@@ -477,14 +507,23 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Experim
                 f = resolve_path(task.file, path)
                 if not f.is_file():
                     problems.append(f"{label}: tasks[{i}].file: no such file: {f}")
+            if isinstance(task, CodeFileTask):
+                for j, name in enumerate(task.files):
+                    f = resolve_path(name, path)
+                    if not f.is_file():
+                        problems.append(f"{label}: tasks[{i}].files[{j}]: no such file: {f}")
     if problems:
         raise ConfigError(problems)
     assert experiment is not None
     # Relative task files are kept relative to the experiment file.
-    tasks = [
-        t.model_copy(update={"file": str(resolve_path(t.file, path))}) if isinstance(t, ChatTask) and t.file else t
-        for t in experiment.tasks
-    ]
+    def resolved(t: Task) -> Task:
+        if isinstance(t, ChatTask) and t.file:
+            return t.model_copy(update={"file": str(resolve_path(t.file, path))})
+        if isinstance(t, CodeFileTask):
+            return t.model_copy(update={"files": [str(resolve_path(f, path)) for f in t.files]})
+        return t
+
+    tasks = [resolved(t) for t in experiment.tasks]
     return experiment.model_copy(update={"tasks": tasks})
 
 

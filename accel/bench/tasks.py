@@ -29,7 +29,7 @@ import torch
 from ..models import chat_ids
 from .corpus import filler_sentences, make_report
 from .prompts import CHAT_PROMPTS
-from .schema import ChatTask, Experiment, LongDocTask, NeedleTask
+from .schema import ChatTask, CodeFileTask, Experiment, LongDocTask, NeedleTask
 
 __all__ = ["TaskItem", "build_items", "score"]
 
@@ -190,6 +190,24 @@ def _chat_items(task: ChatTask, name: str, tokenizer: Any, system: str | None) -
     ]
 
 
+def _code_file_items(task: CodeFileTask, name: str, tokenizer: Any, system: str | None) -> list[TaskItem]:
+    items = []
+    for path in task.files:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        for length in task.lengths:
+
+            def make_text(n: int, lines=lines) -> str:
+                code = "\n".join(lines[:n])
+                return f"```python\n{code}\n```\n\n{task.instruction}"
+
+            n, ids = _fit(make_text, max(len(lines), 1), length, tokenizer, system)
+            items.append(TaskItem(
+                task=name, kind="code_file", item_id=f"{Path(path).stem}-L{length}", input_ids=ids,
+                meta={"file": Path(path).name, "target_length": length, "lines": n},
+            ))
+    return items
+
+
 def build_items(experiment: Experiment, tokenizer: Any) -> list[TaskItem]:
     """Every item of every task, in file order. Same seed, same tokenizer: same items."""
     system = experiment.generation.system
@@ -200,6 +218,8 @@ def build_items(experiment: Experiment, tokenizer: Any) -> list[TaskItem]:
             items += _needle_items(task, name, experiment.seed, tokenizer, system)
         elif isinstance(task, LongDocTask):
             items += _long_doc_items(task, name, experiment.seed, tokenizer, system)
+        elif isinstance(task, CodeFileTask):
+            items += _code_file_items(task, name, tokenizer, system)
         else:
             items += _chat_items(task, name, tokenizer, system)
     return items
