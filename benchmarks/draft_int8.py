@@ -10,23 +10,17 @@ model) over a cache of C entries with its weights as loaded and with the int8 co
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
 
 from accel import timing
+from accel.calibrate import _machine
 from accel.models import load_model
 from accel.quant import int8_copy
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -37,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     model, _ = load_model(args.model)
     quantized = int8_copy(model)
-    print(f"model={args.model} threads={torch.get_num_threads()} cpu={_cpu()!r} torch={torch.__version__}")
+    print(f"model={args.model} threads={torch.get_num_threads()} cpu={_machine()['cpu']!r} torch={torch.__version__}")
     print("cached  float ms  int8 ms  ratio")
     for n in args.contexts:
         cache = timing.filled_cache(model, n)

@@ -22,6 +22,7 @@ import time
 import torch
 
 from accel.cpu import PackedLinear
+from accel.calibrate import _machine
 from accel.models import load_model
 
 
@@ -36,12 +37,6 @@ def _ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown CPU"
 
 
 def main() -> None:
@@ -52,7 +47,7 @@ def main() -> None:
     args = ap.parse_args()
     model, _ = load_model(args.model, prepack=False)
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
-    print(f"model={args.model} threads={torch.get_num_threads()} cpu={_cpu()!r} torch={torch.__version__}")
+    print(f"model={args.model} threads={torch.get_num_threads()} cpu={_machine()['cpu']!r} torch={torch.__version__}")
     print("weight [out, in]   rows  F.linear  mm(x, W.T contiguous)  packed   (ms)")
     with torch.inference_mode():
         for out_f, in_f in shapes:
