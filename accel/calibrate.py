@@ -108,6 +108,11 @@ def calibration_key(model) -> dict[str, Any]:
     }
 
 
+def _as_json(key: dict[str, Any]) -> dict[str, Any]:
+    """``key`` as it reads back from a JSON file."""
+    return json.loads(json.dumps(key, default=str))
+
+
 def _digest(key: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
@@ -126,8 +131,7 @@ def load_table(path: Path, key: dict[str, Any]) -> CostTable | None:
         table = CostTable.from_dict(json.loads(path.read_text()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
-    key_json = json.loads(json.dumps(key, default=str))  # as it reads back from a file
-    return table if table.measured and table.key == key_json else None
+    return table if table.measured and table.key == _as_json(key) else None
 
 
 def save_table(path: Path, table: CostTable) -> None:
@@ -172,7 +176,7 @@ def cost_table(
     print(f"accel: measuring verify costs of this model on this machine (once, cached in {path.parent})...",
           file=sys.stderr, flush=True)
     table = timing.measure(model, tokens=tokens, cache_lens=cache_lens, repeats=repeats, budget_s=budget_s)
-    table = replace(table, key=json.loads(json.dumps(key, default=str)))
+    table = replace(table, key=_as_json(key))
     save_table(path, table)
     return table
 
@@ -193,7 +197,7 @@ def prefer_int8(model, *, force: bool = False, repeats: int = 5) -> bool:
     without measuring where int8 does not apply (not float32 on a CPU, no int8 kernel) and
     with ``ACCEL_CALIBRATION=off``.
     """
-    from .quant import int8_available, int8_copy
+    from .quant import int8_available
 
     param = next(model.parameters())
     if not calibration_enabled() or param.device.type != "cpu" or param.dtype != torch.float32 \
@@ -202,26 +206,36 @@ def prefer_int8(model, *, force: bool = False, repeats: int = 5) -> bool:
     with _INT8_LOCK:
         if not force and model in _INT8:
             return _INT8[model]
-        key = {**calibration_key(model), "measure": "int8 one-token step"}
+        key = _as_json({**calibration_key(model), "measure": "int8 one-token step"})
         path = calibration_path(key)
-        key_json = json.loads(json.dumps(key, default=str))
         found = None
         if not force:
             try:
                 data = json.loads(path.read_text())
-                if data.get("key") == key_json:
+                if data.get("key") == key:
                     found = bool(data["int8_ms"] < data["float_ms"])
             except (OSError, ValueError, KeyError, TypeError, AttributeError):
                 found = None
         if found is None:
-            quantized = int8_copy(model)
-            cache = timing.filled_cache(model, 256)
-            times: dict[str, list[float]] = {"float": [], "int8": []}
-            for i in range(repeats):
-                for name, m in (("float", model), ("int8", quantized)):
-                    times[name] += timing.time_pass(m, cache, 1, repeats=1, warmup=1 if i == 0 else 0)
-            float_ms, int8_ms = statistics.median(times["float"]), statistics.median(times["int8"])
-            _save_json(path, {"key": key_json, "float_ms": round(float_ms, 3), "int8_ms": round(int8_ms, 3)})
+            float_ms, int8_ms = _time_int8(model, repeats)
+            _save_json(path, {"key": key, "float_ms": round(float_ms, 3), "int8_ms": round(int8_ms, 3)})
             found = int8_ms < float_ms
         _INT8[model] = found
         return found
+
+
+def _time_int8(model, repeats: int) -> tuple[float, float]:
+    """Median ms of a one-token pass over 256 cached entries, as loaded and in int8 (the int8
+    copy is kept only if it wins, for the drafter that asked)."""
+    from .quant import int8_copy, release_int8_copy
+
+    quantized = int8_copy(model)
+    cache = timing.filled_cache(model, 256)
+    times: dict[str, list[float]] = {"float": [], "int8": []}
+    for i in range(repeats):
+        for name, m in (("float", model), ("int8", quantized)):
+            times[name] += timing.time_pass(m, cache, 1, repeats=1, warmup=1 if i == 0 else 0)
+    float_ms, int8_ms = statistics.median(times["float"]), statistics.median(times["int8"])
+    if int8_ms >= float_ms:
+        release_int8_copy(model)
+    return float_ms, int8_ms

@@ -303,10 +303,6 @@ class DraftCost:
         self._kk = d * self._kk + k * k
         self._km = d * self._km + k * ms
 
-    @property
-    def seen(self) -> bool:
-        return self._w > 0
-
     def fit(self) -> tuple[float, float]:
         """``(fixed, per_token)`` milliseconds; (0, 0) before any observation."""
         if not self._w:
@@ -320,10 +316,6 @@ class DraftCost:
         if fixed < 0:  # the line through the origin and the mean
             return 0.0, (m / k if k > 0 else 0.0)
         return fixed, slope
-
-    def at(self, k: int) -> float:
-        fixed, slope = self.fit()
-        return fixed + slope * k
 
 
 # ---------------------------------------------------------------------------- the guard

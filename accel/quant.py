@@ -35,7 +35,7 @@ from torch import nn
 
 from .cpu import PackedLinear
 
-__all__ = ["Int8Linear", "int8_available", "int8_copy", "is_int8"]
+__all__ = ["Int8Linear", "int8_available", "int8_copy", "is_int8", "release_int8_copy"]
 
 
 class Int8Linear(nn.Module):
@@ -106,6 +106,13 @@ def int8_copy(model: nn.Module) -> nn.Module:
         if hit is None:
             hit = _COPIES[model] = _make_int8_copy(model)
         return hit
+
+
+def release_int8_copy(model: nn.Module) -> None:
+    """Forget the copy :func:`int8_copy` made of ``model`` (its int8 weights are freed once
+    nothing else holds it)."""
+    with _LOCK:
+        _COPIES.pop(model, None)
 
 
 def _make_int8_copy(model: nn.Module) -> nn.Module:

@@ -8,9 +8,11 @@ the median milliseconds of
 - ``accel.cpu.PackedLinear``: the weight packed once for oneDNN.
 
 Which wins depends on the CPU and on M; ``accel calibrate`` chooses between the first and
-the last for a model's decode and verify passes.
+the last for a model's decode and verify passes. ``--passes`` also times whole verify passes
+(``accel.timing.time_pass``, 256 cached entries) of the model with every linear layer on each
+kernel, alternating, medians of 5.
 
-    python benchmarks/linear_kernels.py --rows 1 2 4 8 16
+    python benchmarks/linear_kernels.py --rows 1 2 4 8 16 --passes
 """
 
 from __future__ import annotations
@@ -21,7 +23,10 @@ import time
 
 import torch
 
-from accel.cpu import PackedLinear
+from torch import nn
+
+from accel import timing
+from accel.cpu import PackedLinear, prepack
 from accel.calibrate import _machine
 from accel.models import load_model
 
@@ -39,11 +44,48 @@ def _ms(fn, repeats: int) -> float:
 
 
 
+class TransposedLinear(nn.Module):
+    """``x @ W.T + b`` from a contiguous copy of ``W.T`` [in, out]."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.wt = linear.weight.detach().t().contiguous()
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.wt.shape[0])
+        y = torch.mm(flat, self.wt) if self.bias is None else torch.addmm(self.bias, flat, self.wt)
+        return y.reshape(*x.shape[:-1], self.wt.shape[1])
+
+
+def _transposed(model: nn.Module) -> nn.Module:
+    for name, m in list(model.named_modules()):
+        if isinstance(m, nn.Linear):
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, TransposedLinear(m))
+    return model
+
+
+def _passes(name: str, rows: list[int]) -> None:
+    models = {"F.linear": load_model(name, prepack=False)[0],
+              "transposed": _transposed(load_model(name, prepack=False)[0]),
+              "packed": prepack(load_model(name, prepack=False)[0])}
+    cache = timing.filled_cache(models["F.linear"], 256)
+    print("\nwhole verify passes, 256 cached (ms)\ntokens  " + "  ".join(f"{k:>10s}" for k in models))
+    for t in rows:
+        times: dict[str, list[float]] = {k: [] for k in models}
+        for i in range(5):
+            for k, m in models.items():
+                times[k] += timing.time_pass(m, cache, t, repeats=1, warmup=1 if i == 0 else 0)
+        print(f"{t:6d}  " + "  ".join(f"{statistics.median(v):10.1f}" for v in times.values()))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="default")
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--passes", action="store_true", help="also time whole verify passes on each kernel")
     args = ap.parse_args()
     model, _ = load_model(args.model, prepack=False)
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
@@ -60,6 +102,8 @@ def main() -> None:
                 b = _ms(lambda: torch.mm(x, wt), args.repeats)
                 c = _ms(lambda: packed(x), args.repeats)
                 print(f"{str([out_f, in_f]):18s} {m:4d}  {a:8.3f}  {b:21.3f}  {c:6.3f}")
+    if args.passes:
+        _passes(args.model, args.rows)
 
 
 if __name__ == "__main__":

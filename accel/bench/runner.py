@@ -220,6 +220,13 @@ class Sampling:
         """The seed of an item's runs: the same for every configuration and repeat."""
         return (self.seed * 1_000_003 + zlib.crc32(f"{item.task}/{item.item_id}".encode())) % 2**31
 
+    def call_text(self) -> str:
+        """How the baselines' ``model.generate`` calls sample, for the configuration table."""
+        if self.greedy:
+            return "do_sample=False"
+        return f"do_sample=True, temperature={self.temperature}" + (
+            f", top_p={self.top_p}" if self.top_p is not None else "")
+
     def hf(self) -> dict[str, Any]:
         if self.greedy:
             return {"do_sample": False}
@@ -388,8 +395,7 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
     gen = experiment.generation
     max_draft = gen.max_draft_tokens
     sampling = Sampling(gen.temperature, gen.top_p, experiment.seed)
-    verb = "do_sample=False" if sampling.greedy else f"do_sample=True, temperature={gen.temperature}" + (
-        f", top_p={gen.top_p}" if gen.top_p is not None else "")
+    verb = sampling.call_text()
     configs = []
     for b in experiment.baselines:
         if isinstance(b, HFGenerate):
