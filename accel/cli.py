@@ -75,7 +75,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         grid.add_row(str(c), *(f"{x:.1f}" for x in row))
     console.print(grid)
     if table.kernel_ms:
-        kern = Table(title=f"plain vs packed linear kernels ({unit})")
+        kern = Table(title=f"linear kernels compared ({unit})")
         kern.add_column("cached", justify="right")
         kern.add_column("tokens", justify="right")
         for name in table.kernel_ms:
@@ -87,7 +87,8 @@ def _calibrate(args: argparse.Namespace) -> int:
     machine = key["machine"]
     console.print(f"model {args.model} ({key['model']['class']}), {key['device']['type']} {key['dtype']}, "
                   f"{key['threads']} threads, {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}")
-    console.print(f"prefer_prepack: {table.prefer_prepack} (linear kernels: {table.kernels})")
+    console.print(f"transposed weights: {table.transposed}, prefer_prepack: {table.prefer_prepack} "
+                  f"(linear kernels: {table.kernels})")
     if table.load is not None and table.load > (machine["cores"] or 1):
         console.print(f"[yellow]warning: the load average was {table.load:.1f} on {machine['cores']} cores while "
                       f"measuring; the timings are disturbed (rerun with --force on a quieter machine)[/yellow]")

@@ -1,13 +1,17 @@
 """What a verify step costs and how many draft tokens each row should verify: pure functions.
 
 A :class:`CostTable` holds the time of one verify forward pass (decoder stack plus output
-head) measured on this machine at a small grid of query tokens x cache lengths, with plain
-and with oneDNN-packed linear kernels. :mod:`accel.calibrate` measures and caches it; nothing
-here times anything, so tests drive the choices with hand-made tables.
+head) measured on this machine at a small grid of query tokens x cache lengths, with three
+linear kernels: plain (row-major weights, as transformers stores them), transposed
+(column-major weights, :func:`accel.cpu.transpose_weights`) and oneDNN-packed.
+:mod:`accel.calibrate` measures and caches it; nothing here times anything, so tests drive the
+choices with hand-made tables.
 
+- :attr:`CostTable.transposed` says whether to store the weights column-major (it costs no
+  memory; :func:`weight_layout` decides from the geometric mean over the grid).
 - :attr:`CostTable.packed_rows` is the window of query tokens per pass (rows of every linear
-  layer) where packed kernels won on this machine, or None; ``accel.load_model`` packs the
-  model to run packed inside it (:func:`accel.cpu.prepack`), plain outside.
+  layer) where packed kernels beat that layout on this machine, or None; ``accel.load_model``
+  packs the model to run packed inside it (:func:`accel.cpu.prepack`), unpacked outside.
 - :meth:`CostTable.step_ms` interpolates the grid of the kernels so chosen piecewise-linearly
   (and extrapolates linearly beyond it).
 - :func:`allocate_drafts` splits a step's draft tokens over the rows of a batch so that the
@@ -27,9 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["CostTable", "DraftCost", "DraftGuard", "acceptance_gains", "allocate_drafts", "in_window", "packed_rows",
-           "static_table"]
+           "static_table", "weight_layout"]
 
-KERNELS = ("plain", "packed")
+KERNELS = ("plain", "transposed", "packed")
+#: Column-major weights are chosen only when their passes are this much faster on the
+#: geometric mean of the grid: a layout is one choice for every pass, and a tie is noise.
+LAYOUT_MARGIN = 0.03
 
 
 @dataclass(frozen=True)
@@ -39,11 +46,13 @@ class CostTable:
     tokens: query tokens of one pass, ascending (e.g. 1, 2, 4, ..., 64).
     cache_lens: cached entries each query attends over, ascending (e.g. 256, 2048).
     ms: [len(cache_lens)][len(tokens)] median milliseconds of one pass, each run with the
-        kernels :attr:`packed_rows` chooses for its token count (made non-decreasing).
-    kernel_tokens: query tokens of the plain-vs-packed comparison passes (the measurement
-        uses ``tokens``).
-    kernel_ms: kernel name -> [len(cache_lens)][len(kernel_tokens)] median ms; only kernels
-        this model can run appear (no ``"packed"`` off a float32 CPU model).
+        kernels :attr:`transposed` and :attr:`packed_rows` choose for its token count (made
+        non-decreasing).
+    kernel_tokens: query tokens of the kernel comparison passes (the measurement uses
+        ``tokens``).
+    kernel_ms: kernel name (``"plain"``, ``"transposed"``, ``"packed"``) ->
+        [len(cache_lens)][len(kernel_tokens)] median ms; only kernels this model can run
+        appear (no ``"packed"`` off a float32 CPU model, nothing but ``"plain"`` off a CPU).
     measured: False for :func:`static_table` (nominal units, shape only, not milliseconds).
     key: what the table was measured for (model identity, device, dtype, threads, machine).
     """
@@ -86,10 +95,16 @@ class CostTable:
         return [_interp(self.cache_lens, [r[t] for r in self.ms], cache_len) for t in range(len(self.tokens))]
 
     @property
+    def transposed(self) -> bool:
+        """Whether to store the linear weights column-major (:func:`accel.cpu.transpose_weights`):
+        see :func:`weight_layout`."""
+        return weight_layout(self.kernel_ms) == "transposed"
+
+    @property
     def packed_rows(self) -> tuple[int, int | None] | None:
         """The query tokens per pass, ``(fewest, most)`` (most None: no limit), for which
-        packed linear kernels beat plain ones here (see :func:`packed_rows`), or None where
-        they never do."""
+        packed linear kernels beat the chosen weight layout here (see :func:`packed_rows`), or
+        None where they never do."""
         return packed_rows(self.kernel_tokens, self.kernel_ms)
 
     @property
@@ -100,15 +115,16 @@ class CostTable:
 
     @property
     def kernels(self) -> str:
-        """Which kernels the grid's passes ran with: ``"plain"``, ``"packed"``, or e.g.
-        ``"packed for 4-32 tokens, plain otherwise"``."""
+        """Which kernels the grid's passes ran with: ``"plain"``, ``"transposed"``,
+        ``"packed"``, or e.g. ``"packed for 4-32 tokens, plain otherwise"``."""
+        base = weight_layout(self.kernel_ms)
         window = self.packed_rows
         if window is None:
-            return "plain"
+            return base
         lo, hi = window
         if lo <= self.tokens[0] and hi is None:
             return "packed"
-        return f"packed for {lo}-{hi if hi is not None else 'any'} tokens, plain otherwise"
+        return f"packed for {lo}-{hi if hi is not None else 'any'} tokens, {base} otherwise"
 
     # ------------------------------------------------------------------ JSON
 
@@ -142,18 +158,34 @@ class CostTable:
         )
 
 
+def weight_layout(kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> str:
+    """``"transposed"`` (store the linear weights column-major) when the transposed kernels'
+    passes are at least :data:`LAYOUT_MARGIN` faster than plain ones on the geometric mean of
+    every measured point, else ``"plain"`` (also when either is missing).
+
+    The geometric mean weighs a pass of one token as much as one of 64: a layout is chosen
+    once for every pass, and which passes a model will run (one row decoding, batches,
+    drafts) is not known when it is loaded. On the Intel Xeon without AMX the transposed
+    passes were 20-40% faster for 4-32 tokens, equal for one and 15% slower for two."""
+    plain, transposed = kernel_ms.get("plain"), kernel_ms.get("transposed")
+    if not plain or not transposed:
+        return "plain"
+    logs = [math.log(t / p) for prow, trow in zip(plain, transposed) for p, t in zip(prow, trow)]
+    return "transposed" if logs and sum(logs) / len(logs) < math.log(1.0 - LAYOUT_MARGIN) else "plain"
+
+
 def packed_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple[float, ...], ...]]
                 ) -> tuple[int, int | None] | None:
-    """The window of ``kernel_tokens`` where ``kernel_ms["packed"]`` is below
-    ``kernel_ms["plain"]`` at every cache length: ``(fewest, most)``, ``most`` None when the
-    window reaches the largest measured count (it then goes on past the grid). The longest run
-    of consecutive winning counts (the larger one on a tie); None when packed never wins or
-    either kernel is missing.
+    """The window of ``kernel_tokens`` where ``kernel_ms["packed"]`` is below the chosen
+    layout's (:func:`weight_layout`: ``kernel_ms["plain"]`` or ``["transposed"]``) at every
+    cache length: ``(fewest, most)``, ``most`` None when the window reaches the largest
+    measured count (it then goes on past the grid). The longest run of consecutive winning
+    counts (the larger one on a tie); None when packed never wins or a kernel is missing.
 
     One window, not a pattern: oneDNN's packed layout pays once a call multiplies enough
     rows to amortise it, until the plain GEMM's own blocking takes over for many rows; a
     lone count where packed wins amid ones where it loses is noise."""
-    packed, plain = kernel_ms.get("packed"), kernel_ms.get("plain")
+    packed, plain = kernel_ms.get("packed"), kernel_ms.get(weight_layout(kernel_ms))
     if not packed or not plain:
         return None
     wins = [all(prow[t] < qrow[t] for prow, qrow in zip(packed, plain)) for t in range(len(kernel_tokens))]

@@ -26,6 +26,15 @@ the output layer, which are called with one to a few rows per draft level.
 It is a no-op where oneDNN is missing or the layer is not a float32 CPU layer, and the
 module falls back to ``F.linear`` whenever its input or weight has moved (another device
 or dtype) or gradients are needed.
+
+:func:`transpose_weights` is the other lever, and it costs no memory: it stores each linear
+weight [out, in] column-major (the same values and shape, strides ``(1, out)``), so
+``F.linear(x, W)`` multiplies ``x`` by a contiguous ``W.T`` instead of a transposed view, and
+the BLAS takes another path. On the 2-core Intel Xeon without AMX, a verify pass of the default
+model over 256 cached entries took 57 / 70 / 76 / 98 ms for 4 / 8 / 16 / 32 query tokens
+stored so against 72 / 87 / 125 / 148 ms row-major (and 69 / 75 / 80 / 104 ms packed), the same
+for one token and for a 2K-token prefill, slower for two (46 against 40 ms). Which layout wins is
+measured per machine like packing (:attr:`accel.cost_model.CostTable.layout`).
 """
 
 from __future__ import annotations
@@ -35,7 +44,8 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "bf16_native", "is_prepacked", "prepack", "prepack_available", "unprepack"]
+__all__ = ["PackedLinear", "bf16_native", "is_prepacked", "is_transposed", "prepack", "prepack_available",
+           "transpose_weights", "unprepack", "untranspose_weights"]
 
 _ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; 1-16 rows all run fast in it
 
@@ -134,6 +144,12 @@ class PackedLinear(nn.Module):
         self._packed_from = self._weight_key()
         self._packed = _pack(w) if packable else None
 
+    def refresh(self) -> None:
+        """Pack again if ``weight`` was replaced or modified in place since it was packed
+        (e.g. by :func:`transpose_weights`); until then the layer runs ``F.linear``."""
+        if self._weight_key() != self._packed_from:
+            self._repack()
+
     def __getstate__(self) -> dict:
         # the packed copy is an opaque oneDNN tensor that cannot be copied or pickled: drop it
         # and pack again on the other side (copy.deepcopy, pickle, torch.save of the module)
@@ -231,3 +247,58 @@ def unprepack(model: nn.Module) -> nn.Module:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, linear)
     return model
+
+
+# ---------------------------------------------------------------------------- weight layout
+
+
+def _linear_weights(model: nn.Module) -> list[nn.Parameter]:
+    """The 2-D CPU weights of ``model``'s linear layers (``nn.Linear`` and
+    :class:`PackedLinear`), each once (a tied output layer shares the input embedding's)."""
+    seen: dict[int, nn.Parameter] = {}
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, PackedLinear)):
+            w = m.weight
+            if isinstance(w, nn.Parameter) and w.dim() == 2 and w.device.type == "cpu" and w.is_floating_point():
+                seen.setdefault(id(w), w)
+    return list(seen.values())
+
+
+def _is_column_major(w: torch.Tensor) -> bool:
+    return w.shape[0] > 1 and w.shape[1] > 1 and w.stride() == (1, w.shape[0])
+
+
+def _relayout(model: nn.Module, column_major: bool) -> nn.Module:
+    with torch.no_grad():
+        for w in _linear_weights(model):
+            if _is_column_major(w) != column_major:
+                # .data keeps the Parameter object, so ties, optimisers and hooks still see it
+                w.data = w.data.t().contiguous().t() if column_major else w.data.contiguous()
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            m.refresh()
+    return model
+
+
+def transpose_weights(model: nn.Module) -> nn.Module:
+    """Store every CPU linear weight of ``model`` column-major, in place, and return
+    ``model``: each ``weight`` [out, in] keeps its Parameter object, shape and values, with
+    strides ``(1, out)``, so ``F.linear`` multiplies by a contiguous ``W.T``. No extra memory.
+
+    An input embedding tied to the output layer is the same Parameter and is stored so too
+    (its lookup then gathers strided rows: ~15 ms for 4K tokens of the default model).
+    Results differ from row-major weights only by float rounding (another summation order).
+    Packed layers are packed again. ``state_dict`` and ``save_pretrained`` see the same
+    [out, in] tensors; :func:`untranspose_weights` undoes it."""
+    return _relayout(model, column_major=True)
+
+
+def untranspose_weights(model: nn.Module) -> nn.Module:
+    """Undo :func:`transpose_weights`: every CPU linear weight contiguous (row-major) again,
+    in place; returns ``model``."""
+    return _relayout(model, column_major=False)
+
+
+def is_transposed(model: nn.Module) -> bool:
+    """Whether :func:`transpose_weights` stored ``model``'s linear weights column-major."""
+    return any(_is_column_major(w) for w in _linear_weights(model))

@@ -523,10 +523,11 @@ def load_default(
 
     ``prepack`` (float32 on a CPU): lay the linear weights out once for oneDNN, see
     :func:`accel.cpu.prepack` (``model.generate`` runs the same kernels). ``"auto"`` (the
-    default) packs only where this machine's calibration (:func:`accel.calibrate.cost_table`)
-    measured packed passes faster, and only for passes of as many query tokens as it measured
-    them faster for (batched and drafting steps, often not a single-row decode step); it
-    depends on the CPU.
+    default) uses the kernels this machine's calibration (:func:`accel.calibrate.cost_table`)
+    measured fastest: the weights stored column-major where that won
+    (:func:`accel.cpu.transpose_weights`, no extra memory), and packed only for passes of as
+    many query tokens as packing won for (batched and drafting steps, often not a single-row
+    decode step); it depends on the CPU.
     """
     gguf = default_gguf_path()
     model, tokenizer = _load_converted(gguf, default_checkpoint_dir(), DEFAULT_MODEL_NAME, dtype, device, attn_implementation)
@@ -534,13 +535,14 @@ def load_default(
 
 
 def _prepacked(model, prepack: bool | Literal["auto"]):
-    """Pack ``model``'s linear layers if ``prepack`` is True (packed for every call), or if it
-    is ``"auto"`` and the calibration of this model on this machine measured packed kernels
-    faster for passes of some numbers of query tokens (measured on first use, then cached):
-    then they run packed for those and plain otherwise (:attr:`CostTable.packed_rows`). With
-    ``ACCEL_CALIBRATION=off`` nothing is packed."""
+    """Pack ``model``'s linear layers if ``prepack`` is True (packed for every call). If it is
+    ``"auto"``, use the linear kernels the calibration of this model on this machine measured
+    fastest (measured on first use, then cached): weights stored column-major where that won
+    (:attr:`CostTable.transposed`, :func:`accel.cpu.transpose_weights`), and packed for the
+    numbers of query tokens where packed kernels beat that (:attr:`CostTable.packed_rows`).
+    With ``ACCEL_CALIBRATION=off`` the model is left as loaded."""
     from .cpu import prepack as _prepack
-    from .cpu import prepack_available
+    from .cpu import prepack_available, transpose_weights
 
     if prepack == "auto":
         param = next(model.parameters())
@@ -548,7 +550,10 @@ def _prepacked(model, prepack: bool | Literal["auto"]):
             return model  # nothing to pack: no need to measure
         from .calibrate import cost_table
 
-        window = cost_table(model).packed_rows
+        table = cost_table(model)
+        if table.transposed:
+            transpose_weights(model)
+        window = table.packed_rows
         return model if window is None else _prepack(model, min_rows=window[0], max_rows=window[1])
     if not isinstance(prepack, bool):
         raise ValueError(f"prepack must be True, False or 'auto', got {prepack!r}")
@@ -637,8 +642,8 @@ def load_model(
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``. The
     tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files. ``prepack``:
     pack float32 linear layers on a CPU for oneDNN once (:func:`accel.cpu.prepack`): True,
-    False, or ``"auto"`` (the default: where calibration measured it faster, see
-    :func:`load_default`).
+    False, or ``"auto"`` (the default: the layout and packing calibration measured faster,
+    see :func:`load_default`).
 
     Raises ``ValueError`` if the checkpoint is not a causal LM (the message names its class),
     and :class:`ModelNotAvailableError` (a ``FileNotFoundError``) if nothing local matches --

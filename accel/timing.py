@@ -2,7 +2,7 @@
 
 Plain functions: :func:`filled_cache` fills a cache with a forward over random ids,
 :func:`time_pass` times one verify pass over it (median of a few), :func:`linear_kernels`
-switches a model between plain and packed linear layers for a block, and :func:`measure`
+switches a model between plain, transposed and packed linear layers for a block, and :func:`measure`
 puts them together into a table. :func:`accel.calibrate.cost_table` caches the result.
 
 Measuring swaps the model's linear layers and puts them back; do not run it while the model
@@ -21,8 +21,9 @@ import torch
 
 from . import adapter
 from .cache import SharedCache
-from .cost_model import CostTable, in_window, packed_rows
-from .cpu import PackedLinear, is_prepacked, prepack, prepack_available, unprepack
+from .cost_model import KERNELS, CostTable, in_window, packed_rows, weight_layout
+from .cpu import (PackedLinear, is_prepacked, is_transposed, prepack, prepack_available, transpose_weights, unprepack,
+                  untranspose_weights)
 
 __all__ = ["DEFAULT_CACHE_LENS", "DEFAULT_TOKENS", "filled_cache", "linear_kernels",
            "measure", "time_pass"]
@@ -34,36 +35,51 @@ DEFAULT_CACHE_LENS = (256, 2048)
 
 
 @contextmanager
-def linear_kernels(model) -> Iterator[Callable[[bool], None]]:
-    """Inside the block, ``use(packed)`` switches ``model`` between packed
-    (:func:`accel.cpu.prepack`) and plain linear layers by swapping module references (the
-    weights are packed once, on entry); on exit the model is as it was.
+def linear_kernels(model) -> Iterator[Callable[[str], None]]:
+    """Inside the block, ``use(kernel)`` runs ``model``'s linear layers on one of
+    :data:`~accel.cost_model.KERNELS`: ``"plain"`` (row-major weights, ``F.linear``, as
+    transformers runs them), ``"transposed"`` (column-major weights,
+    :func:`accel.cpu.transpose_weights`) or ``"packed"`` (:func:`accel.cpu.prepack`, for
+    every pass whatever its window was). Modules are swapped by reference (the weights are
+    packed on entry, and again when a layout change made the packed copies stale); on exit the
+    model is as it was: the same modules, windows and weight layout.
 
-    Yields ``use``. A model that cannot be packed stays plain whatever ``use`` is told.
+    Yields ``use``. A model that cannot be packed stays unpacked whatever ``use`` is told.
     """
-    was = is_prepacked(model)
-    other = prepack if not was else unprepack
+    was_packed, was_transposed = is_prepacked(model), is_transposed(model)
+    other = prepack if not was_packed else unprepack
     before = _linears(model)
     windows = {n: (m.min_rows, m.max_rows) for n, m in before.items() if isinstance(m, PackedLinear)}
     other(model)
     after = _linears(model)
     names = [n for n in before if before[n] is not after.get(n, before[n])]
-    packed_mods, plain_mods = (before, after) if was else (after, before)
+    packed_mods, plain_mods = (before, after) if was_packed else (after, before)
 
-    def use(packed: bool) -> None:
+    def swap(packed: bool) -> None:
         chosen = packed_mods if packed else plain_mods
-        for m in packed_mods.values():  # packed means packed for every pass, whatever the window was
-            if isinstance(m, PackedLinear):
-                m.min_rows, m.max_rows = 1, None
         for name in names:
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
             setattr(parent, child, chosen[name])
 
+    def use(kernel: str) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
+        for m in packed_mods.values():  # packed means packed for every pass, whatever the window was
+            if isinstance(m, PackedLinear):
+                m.min_rows, m.max_rows = 1, None
+        swap(kernel == "packed")
+        if kernel != "packed":  # (packed kernels read their own copy: any layout will do)
+            (transpose_weights if kernel == "transposed" else untranspose_weights)(model)
+        for m in packed_mods.values():
+            if isinstance(m, PackedLinear):
+                m.refresh()
+
     try:
         yield use
     finally:
-        use(was)
+        swap(was_packed)
+        (transpose_weights if was_transposed else untranspose_weights)(model)
         for name, (lo, hi) in windows.items():
             before[name].min_rows, before[name].max_rows = lo, hi
 
@@ -124,11 +140,13 @@ def measure(
 ) -> CostTable:
     """Measure a :class:`CostTable` for ``model`` (no cache files involved).
 
-    Every point of the grid ``tokens`` x ``cache_lens`` is timed with plain and with packed
-    kernels (packed only where :func:`accel.cpu.prepack` applies: float32 on a CPU), in
-    alternating rounds so that both see the same machine load. The window where packed ones
-    win (:func:`accel.cost_model.packed_rows`) decides which kernels each token count runs with,
-    and the grid keeps those times, made non-decreasing in both axes (see :func:`_monotone`).
+    Every point of the grid ``tokens`` x ``cache_lens`` is timed with each linear kernel of
+    :func:`linear_kernels` the model can run (transposed weights on a CPU, packed ones where
+    :func:`accel.cpu.prepack` applies: float32 on a CPU), in alternating rounds so that all
+    see the same machine load. The weight layout (:func:`accel.cost_model.weight_layout`) and
+    the window where packed kernels beat it (:func:`accel.cost_model.packed_rows`) decide which
+    kernels each token count runs with, and the grid keeps those times, made non-decreasing in
+    both axes (see :func:`_monotone`).
     Each point is the median of ``1 + repeats`` passes, the first after a warm-up; once
     ``budget_s`` seconds have gone, no further round starts (filling the caches is not
     bounded). Cache lengths are capped so every pass fits the model's positions.
@@ -140,24 +158,26 @@ def measure(
     caches = [filled_cache(model, n, seed=i) for i, n in enumerate(cache_lens)]
     param = next(model.parameters())
     names = ["plain"]
-    if param.device.type == "cpu" and param.dtype == torch.float32 and prepack_available():
-        names.append("packed")
+    if param.device.type == "cpu":
+        names.append("transposed")
+        if param.dtype == torch.float32 and prepack_available():
+            names.append("packed")
     points = [(c, t) for c in range(len(caches)) for t in range(len(tokens))]
     samples: dict[str, dict] = {name: {p: [] for p in points} for name in names}
     with linear_kernels(model) as use:
-        # plain and packed passes alternate, so a load that comes and goes hits both alike
+        # the kernels' passes alternate, so a load that comes and goes hits all alike
         for round_ in range(1 + max(1, repeats)):
             if round_ > 1 and time.perf_counter() - start >= budget_s:
                 break
             for name in names:
-                use(name == "packed")
+                use(name)
                 for c, t in points:
                     samples[name][(c, t)] += time_pass(model, caches[c], tokens[t], repeats=1,
                                                        warmup=1 if round_ == 0 else 0)
     kernel_ms = {name: tuple(tuple(statistics.median(samples[name][(c, t)]) for t in range(len(tokens)))
                              for c in range(len(caches))) for name in names}
-    window = packed_rows(tokens, kernel_ms)
-    chosen = ["packed" if in_window(n, window) else "plain" for n in tokens]
+    window, layout = packed_rows(tokens, kernel_ms), weight_layout(kernel_ms)
+    chosen = ["packed" if in_window(n, window) else layout for n in tokens]
     ms = [[kernel_ms[chosen[t]][c][t] for t in range(len(tokens))] for c in range(len(caches))]
     return CostTable(tokens=tokens, cache_lens=cache_lens, ms=_monotone(ms), kernel_tokens=tokens,
                      kernel_ms=kernel_ms, measured=True, seconds=round(time.perf_counter() - start, 2),

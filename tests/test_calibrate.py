@@ -10,8 +10,9 @@ import torch
 
 from accel import calibrate, timing
 from accel.cli import main
-from accel.cost_model import CostTable, DraftGuard, acceptance_gains, allocate_drafts, in_window, static_table
-from accel.cpu import PackedLinear, is_prepacked, prepack, prepack_available
+from accel.cost_model import (CostTable, DraftGuard, acceptance_gains, allocate_drafts, in_window, static_table,
+                               weight_layout)
+from accel.cpu import PackedLinear, is_prepacked, is_transposed, prepack, prepack_available
 from accel.models import _prepacked, load_model
 from helpers import make_tiny_model
 
@@ -43,14 +44,16 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def fake_measure(calls: list | None = None, packed: tuple[int, ...] = ()):
+def fake_measure(calls: list | None = None, packed: tuple[int, ...] = (), transposed: float = 2.0):
     """A stand-in for timing.measure whose packed kernels win at the ``packed`` ones of its
-    token counts (1, 8, 64)."""
+    token counts (1, 8, 64), and whose transposed kernels take ``transposed`` ms against
+    plain ones' 2 ms."""
     def measure(model, **kwargs):
         if calls is not None:
             calls.append(kwargs)
         tokens = (1, 8, 64)
-        kernel_ms = {"plain": ((2.0,) * 3,), "packed": (tuple(1.0 if n in packed else 3.0 for n in tokens),)}
+        kernel_ms = {"plain": ((2.0,) * 3,), "transposed": ((transposed,) * 3,),
+                     "packed": (tuple(1.0 if n in packed else 3.0 for n in tokens),)}
         return table(tokens, [1.0, 2.0, 3.0], kernel_tokens=tokens, kernel_ms=kernel_ms)
 
     return measure
@@ -198,6 +201,29 @@ def test_packed_rows_is_the_window_where_packed_kernels_win():
     assert not static_table().prefer_prepack and not static_table().measured
 
 
+def test_weight_layout_is_transposed_where_it_wins_on_the_geometric_mean():
+    tokens = (1, 2, 8, 32)
+    plain = (10.0, 12.0, 20.0, 40.0)
+
+    def layout(transposed, packed=None):
+        grids = {"plain": (plain,), "transposed": (tuple(transposed),)}
+        if packed:
+            grids["packed"] = (tuple(packed),)
+        return table(tokens, [1.0, 2.0, 3.0, 4.0], kernel_tokens=tokens, kernel_ms=grids)
+
+    # the Intel Xeon's shape: equal for one token, worse for two, much better for more
+    intel = layout([10.0, 14.0, 14.0, 26.0])
+    assert intel.transposed and weight_layout(intel.kernel_ms) == "transposed" and intel.kernels == "transposed"
+    assert not layout([10.0, 14.0, 19.0, 39.0]).transposed  # a loss and small gains: no better
+    assert not layout([9.9, 11.9, 19.9, 39.9]).transposed  # within the margin: a tie is noise
+    assert not layout([11.0, 13.0, 22.0, 44.0]).transposed
+    # packed kernels are judged against the layout chosen, not against plain ones
+    mixed = layout([10.0, 14.0, 14.0, 26.0], packed=[8.0, 13.0, 15.0, 30.0])
+    assert mixed.packed_rows == (1, 2) and mixed.kernels == "packed for 1-2 tokens, transposed otherwise"
+    assert layout([11.0, 13.0, 22.0, 44.0], packed=[8.0, 13.0, 15.0, 30.0]).packed_rows == (8, None)
+    assert weight_layout({"plain": ((1.0,),)}) == "plain" and not static_table().transposed
+
+
 # ---------------------------------------------------------------------------- keys and files
 
 
@@ -288,15 +314,15 @@ def test_a_real_measurement_on_a_tiny_model(one_thread, packed):
     assert t.measured and t.tokens == (1, 4) and t.kernel_tokens == t.tokens and t.seconds > 0
     assert t.cache_lens == (16, 512 - 4)  # capped to the model's 512 positions
     assert all(x > 0 for row in t.ms for x in row)
-    assert set(t.kernel_ms) == ({"plain", "packed"} if prepack_available() else {"plain"})
-    # the grid holds, token count by token count, the time of the kernels the crossover picks
+    assert set(t.kernel_ms) == ({"plain", "transposed", "packed"} if prepack_available() else {"plain", "transposed"})
+    # the grid holds, token count by token count, the time of the kernels the choice picks
     for ti, n in enumerate(t.tokens):
-        name = "packed" if in_window(n, t.packed_rows) else "plain"
+        name = "packed" if in_window(n, t.packed_rows) else ("transposed" if t.transposed else "plain")
         assert t.ms[0][ti] >= t.kernel_ms[name][0][ti]  # (made non-decreasing: never below)
         if ti == 0:
             assert t.ms[0][0] == t.kernel_ms[name][0][0]
     assert t.step_ms(3, 100) > 0
-    assert is_prepacked(model) == packed  # the model is left with the kernels it had
+    assert is_prepacked(model) == packed and not is_transposed(model)  # the model is left with the kernels it had
 
 
 def test_cost_table_measures_for_real_into_the_cache(calib_cache, one_thread):
@@ -326,6 +352,22 @@ def test_auto_prepack_follows_the_table(calib_cache, monkeypatch, tmp_path, wins
     monkeypatch.setattr(timing, "measure", refuse)
     assert packed_rows(load_model(folder, prepack=True)[0]) == (1, None)
     assert not is_prepacked(load_model(folder, prepack=False)[0])
+
+
+@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
+@pytest.mark.parametrize("transposed_ms, transposed", [(1.0, True), (2.0, False), (3.0, False)])
+def test_auto_kernels_store_weights_transposed_where_that_measured_faster(calib_cache, monkeypatch, transposed_ms,
+                                                                          transposed):
+    monkeypatch.setattr(timing, "measure", fake_measure(packed=(64,), transposed=transposed_ms))
+    reference = make_tiny_model()
+    model = _prepacked(make_tiny_model(), "auto")
+    assert is_transposed(model) == transposed
+    # packed where packing beats the layout chosen: at 64 tokens (1 ms) against plain's and transposed's 1-3 ms
+    windows = {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)}
+    assert windows == ({(64, None)} if transposed_ms > 1.0 else set())
+    ids = torch.tensor([[4, 8, 15, 16, 23]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
 
 
 def test_auto_prepack_is_off_without_calibration_or_off_a_float32_cpu_model(calib_cache, monkeypatch):
@@ -366,14 +408,23 @@ def test_linear_kernels_switches_and_restores(start_packed):
     before = dict(model.named_modules())
     ids = torch.tensor([[4, 8, 15, 16, 23]])
     with torch.inference_mode(), timing.linear_kernels(model) as use:
-        use(True)
+        use("packed")
         assert is_prepacked(model)
         assert {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)} == {(1, None)}
         packed = model(ids).logits
-        use(False)
-        assert not is_prepacked(model)
+        use("plain")
+        assert not is_prepacked(model) and not is_transposed(model)
         torch.testing.assert_close(model(ids).logits, packed, rtol=1e-4, atol=1e-5)
+        use("transposed")
+        assert not is_prepacked(model) and is_transposed(model)
+        torch.testing.assert_close(model(ids).logits, packed, rtol=1e-4, atol=1e-5)
+        use("packed")  # packed again after a layout change: the packed copies follow the weights
+        assert all(m._packed_from == m._weight_key() for m in model.modules() if isinstance(m, PackedLinear))
+        torch.testing.assert_close(model(ids).logits, packed, rtol=1e-4, atol=1e-5)
+        with pytest.raises(ValueError, match="kernel must be one of"):
+            use("fast")
     assert dict(model.named_modules()) == before  # the very same modules are back
+    assert not is_transposed(model)
     if start_packed:
         assert {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)} == {(2, 3)}
 

@@ -1,0 +1,86 @@
+"""accel.cpu.transpose_weights: linear weights stored column-major (same values, no extra memory)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import accel
+from accel.cpu import PackedLinear, is_transposed, prepack, prepack_available, transpose_weights, untranspose_weights
+from helpers import make_tiny_model
+from speculative import PromptLookup
+
+
+def _prompt(seed: int, n: int) -> torch.Tensor:
+    return torch.randint(2, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_transposing_keeps_parameters_ties_values_and_state_dict():
+    model = make_tiny_model(seed=1, tie_word_embeddings=True)
+    params = dict(model.named_parameters())
+    values = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ids = _prompt(0, 12)
+    with torch.inference_mode():
+        before = model(ids).logits
+    assert not is_transposed(model)
+    assert transpose_weights(model) is model and is_transposed(model)
+    assert dict(model.named_parameters()).keys() == params.keys()
+    assert all(p is params[k] for k, p in model.named_parameters())  # the same Parameter objects
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            w = m.weight
+            assert w.stride() == (1, w.shape[0]) and not w.is_contiguous()
+    state = model.state_dict()
+    assert all(torch.equal(state[k], v) for k, v in values.items())
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, before, rtol=1e-4, atol=1e-5)
+    transpose_weights(model)  # a second call changes nothing
+    assert untranspose_weights(model) is model and not is_transposed(model)
+    assert all(p.is_contiguous() for p in model.parameters())
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in values.items())
+
+
+def test_plain_and_speculative_decoding_on_transposed_weights_equal_generate():
+    model = transpose_weights(make_tiny_model(seed=3))
+    ids = _prompt(1, 24)
+    with torch.inference_mode():
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
+                             pad_token_id=0, eos_token_id=None)
+    for strategies in ([], [PromptLookup()]):
+        out = accel.generate(model, ids, strategies=strategies, max_new_tokens=30, eos_token_id=[])
+        assert torch.equal(out.sequences, ref), strategies
+
+
+def test_a_transposed_model_can_be_deep_copied_and_pickled():
+    model = transpose_weights(make_tiny_model(seed=4))
+    ids = _prompt(2, 10)
+    with torch.inference_mode():
+        ref = model(ids).logits
+    for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert is_transposed(other)
+        with torch.inference_mode():
+            torch.testing.assert_close(other(ids).logits, ref)
+
+
+@pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN linear packing")
+def test_packed_layers_are_packed_again_after_a_layout_change():
+    model = prepack(make_tiny_model(seed=5))
+    ids = _prompt(3, 9)
+    with torch.inference_mode():
+        ref = model(ids).logits
+    calls = []
+    for m in model.modules():
+        if isinstance(m, PackedLinear):
+            original = m._repack
+            m._repack = lambda original=original: (calls.append(1), original())[1]
+    transpose_weights(model)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert len(calls) == len(layers)  # every one, once
+    assert all(m._packed is not None and m._packed_from == m._weight_key() for m in layers)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-5)
