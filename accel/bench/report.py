@@ -175,6 +175,8 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         f"- **Machine:** {_machine_line(machine)}",
         f"- **Model:** {machine['model']} ({machine['model_name'] or machine['model_class']}, "
         f"{machine['model_class']}, {params:.1f}M parameters), {machine['dtype']} on {machine['device']}"
+        + ("; linear weights stored column-major (`accel.cpu.transpose_weights`), baselines included"
+           if machine.get("transposed") else "")
         + ("; linear weights prepacked for oneDNN (`accel.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
         f"- **Generation:** "
         + ("greedy" if not gen.get("temperature") else

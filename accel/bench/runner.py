@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import adapter
-from ..cpu import is_prepacked
+from ..cpu import is_prepacked, is_transposed
 from ..strategy import Strategy, build_strategies
 from . import batched as bt
 from .batched import BatchMeasurement, cut_at_eos, percentile, sync_device
@@ -850,6 +850,6 @@ def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:
         "model": experiment.model, "model_class": type(model).__name__,
         "model_name": DEFAULT_MODEL_NAME if experiment.model == "default" else (getattr(model.config, "name_or_path", "") or ""),
         "parameters": sum(p.numel() for p in model.parameters()), "dtype": experiment.dtype,
-        "prepacked": is_prepacked(model),
+        "prepacked": is_prepacked(model), "transposed": is_transposed(model),
     }
     return info
