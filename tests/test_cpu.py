@@ -6,10 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-import accel
 from accel.cpu import PackedLinear, is_prepacked, prepack, prepack_available
 from helpers import make_tiny_model
-from speculative import PromptLookup
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN linear packing")
 
@@ -41,17 +39,6 @@ def test_prepacked_logits_match_the_unpacked_model():
         b = packed(ids).logits
     assert a.shape == b.shape
     assert torch.allclose(a, b, atol=1e-4, rtol=1e-4)
-
-
-def test_plain_and_speculative_decoding_on_a_prepacked_model_equal_generate():
-    model = prepack(make_tiny_model(seed=3))
-    ids = _prompt(1, 24)
-    with torch.inference_mode():
-        ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
-                             pad_token_id=0, eos_token_id=None)
-    for strategies in ([], [PromptLookup()]):
-        out = accel.generate(model, ids, strategies=strategies, max_new_tokens=30, eos_token_id=[])
-        assert torch.equal(out.sequences, ref), strategies
 
 
 def test_packed_layer_falls_back_for_gradients_and_other_dtypes():

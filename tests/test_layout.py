@@ -1,4 +1,5 @@
-"""accel.cpu.transpose_weights: linear weights stored column-major (same values, no extra memory)."""
+"""accel.cpu.transpose_weights: linear weights stored column-major (same values, no extra memory),
+alone and with packed layers."""
 
 from __future__ import annotations
 
@@ -45,8 +46,16 @@ def test_transposing_keeps_parameters_ties_values_and_state_dict():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in values.items())
 
 
-def test_plain_and_speculative_decoding_on_transposed_weights_equal_generate():
-    model = transpose_weights(make_tiny_model(seed=3))
+@pytest.mark.parametrize("kernels", [
+    transpose_weights,
+    pytest.param(prepack, marks=pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear packing")),
+    pytest.param(lambda m: prepack(transpose_weights(m), min_rows=4, max_rows=8),
+                 marks=pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear packing")),
+], ids=["transposed", "packed", "transposed+packed window"])
+def test_plain_and_speculative_decoding_on_calibrated_kernels_equal_generate(kernels):
+    """accel.generate and model.generate run the same kernels on the same model, so plain
+    and speculative decoding equal model.generate token for token."""
+    model = kernels(make_tiny_model(seed=3))
     ids = _prompt(1, 24)
     with torch.inference_mode():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
