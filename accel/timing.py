@@ -12,7 +12,6 @@ serves requests.
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
@@ -147,7 +146,9 @@ def measure(
     the window where packed kernels beat it (:func:`accel.cost_model.packed_rows`) decide which
     kernels each token count runs with, and the grid keeps those times, made non-decreasing in
     both axes (see :func:`_monotone`).
-    Each point is the median of ``1 + repeats`` passes, the first after a warm-up; once
+    Each point is the fastest of ``1 + repeats`` passes, the first after a warm-up (a busy
+    machine only ever adds time to a pass, so the fastest is the least disturbed; a median of
+    two samples let one burst decide between close kernels); once
     ``budget_s`` seconds have gone, no further round starts (the first two always run: one
     sample per point decides kernels by noise on a shared VM; filling the caches is not
     bounded). With the three kernels, on the 2-core Intel Xeon, the default model takes
@@ -177,7 +178,7 @@ def measure(
                 for c, t in points:
                     samples[name][(c, t)] += time_pass(model, caches[c], tokens[t], repeats=1,
                                                        warmup=1 if round_ == 0 else 0)
-    kernel_ms = {name: tuple(tuple(statistics.median(samples[name][(c, t)]) for t in range(len(tokens)))
+    kernel_ms = {name: tuple(tuple(min(samples[name][(c, t)]) for t in range(len(tokens)))
                              for c in range(len(caches))) for name in names}
     window, layout = packed_rows(tokens, kernel_ms), weight_layout(kernel_ms)
     chosen = ["packed" if in_window(n, window) else layout for n in tokens]

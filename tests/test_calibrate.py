@@ -325,6 +325,25 @@ def test_a_real_measurement_on_a_tiny_model(one_thread, packed):
     assert is_prepacked(model) == packed and not is_transposed(model)  # the model is left with the kernels it had
 
 
+def test_a_burst_of_load_on_one_kernel_does_not_decide_between_kernels(monkeypatch):
+    """Each point keeps its fastest pass: a busy machine only adds time, so one slow sample
+    of the faster kernel must not hand the choice to a slower one."""
+    model = make_tiny_model()
+    seen: dict[str, int] = {}
+
+    def fake_pass(model, cache, tokens, repeats, warmup=1):
+        kernel = "packed" if is_prepacked(model) else ("transposed" if is_transposed(model) else "plain")
+        first = seen.get((kernel, tokens), 0) == 0
+        seen[(kernel, tokens)] = seen.get((kernel, tokens), 0) + 1
+        cost = {"plain": 10.0, "transposed": 8.0, "packed": 12.0}[kernel] * tokens
+        return [cost + (50.0 if kernel == "transposed" and first else 0.0)] * repeats  # a burst on its first round
+
+    monkeypatch.setattr(timing, "time_pass", fake_pass)
+    t = timing.measure(model, tokens=(1, 2), cache_lens=(8,), repeats=1, budget_s=1e9)
+    assert t.kernel_ms["transposed"] == ((8.0, 16.0),) and t.transposed
+    assert t.ms == ((8.0, 16.0),) and not is_transposed(model)
+
+
 def test_cost_table_measures_for_real_into_the_cache(calib_cache, one_thread):
     model = make_tiny_model()
     t = calibrate.cost_table(model, tokens=(1, 2), cache_lens=(8,), repeats=1)
