@@ -45,13 +45,14 @@ class CostTable:
 
     tokens: query tokens of one pass, ascending (e.g. 1, 2, 4, ..., 64).
     cache_lens: cached entries each query attends over, ascending (e.g. 256, 2048).
-    ms: [len(cache_lens)][len(tokens)] median milliseconds of one pass, each run with the
+    ms: [len(cache_lens)][len(tokens)] milliseconds of one pass, each run with the
         kernels :attr:`transposed` and :attr:`packed_rows` choose for its token count (made
         non-decreasing).
     kernel_tokens: query tokens of the kernel comparison passes (the measurement uses
         ``tokens``).
     kernel_ms: kernel name (``"plain"``, ``"transposed"``, ``"packed"``) ->
-        [len(cache_lens)][len(kernel_tokens)] median ms; only kernels this model can run
+        [len(cache_lens)][len(kernel_tokens)] ms (each point's fastest pass, see
+        :func:`accel.timing.measure`); only kernels this model can run
         appear (no ``"packed"`` off a float32 CPU model, nothing but ``"plain"`` off a CPU).
     measured: False for :func:`static_table` (nominal units, shape only, not milliseconds).
     key: what the table was measured for (model identity, device, dtype, threads, machine).
@@ -166,7 +167,8 @@ def weight_layout(kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> str:
     The geometric mean weighs a pass of one token as much as one of 64: a layout is chosen
     once for every pass, and which passes a model will run (one row decoding, batches,
     drafts) is not known when it is loaded. On the Intel Xeon without AMX the transposed
-    passes were 20-40% faster for 4-32 tokens, equal for one and 15% slower for two."""
+    passes were 23-46% faster for 4-32 tokens, 5% slower for one and 20% slower for two
+    (``accel calibrate``, 256 cached entries)."""
     plain, transposed = kernel_ms.get("plain"), kernel_ms.get("transposed")
     if not plain or not transposed:
         return "plain"

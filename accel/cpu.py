@@ -30,11 +30,12 @@ or dtype) or gradients are needed.
 :func:`transpose_weights` is the other lever, and it costs no memory: it stores each linear
 weight [out, in] column-major (the same values and shape, strides ``(1, out)``), so
 ``F.linear(x, W)`` multiplies ``x`` by a contiguous ``W.T`` instead of a transposed view, and
-the BLAS takes another path. On the 2-core Intel Xeon without AMX, a verify pass of the default
-model over 256 cached entries took 57 / 70 / 76 / 98 ms for 4 / 8 / 16 / 32 query tokens
-stored so against 72 / 87 / 125 / 148 ms row-major (and 69 / 75 / 80 / 104 ms packed), the same
-for one token and for a 2K-token prefill, slower for two (46 against 40 ms). Which layout wins is
-measured per machine like packing (:attr:`accel.cost_model.CostTable.layout`).
+the BLAS takes another path. On the 2-core Intel Xeon without AMX (``accel calibrate``), a
+verify pass of the default model over 256 cached entries took 51 / 58 / 66 / 88 ms for 4 / 8 /
+16 / 32 query tokens stored so against 66 / 81 / 122 / 140 ms row-major (and 62 / 69 / 74 / 96 ms
+packed), 39 against 37 ms for one token and 48 against 40 ms for two; a 2K-token prefill took
+the same either way. Which layout wins is measured per machine like packing
+(:attr:`accel.cost_model.CostTable.transposed`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Timing verify passes: the measurements behind a :class:`~accel.cost_model.CostTable`.
 
 Plain functions: :func:`filled_cache` fills a cache with a forward over random ids,
-:func:`time_pass` times one verify pass over it (median of a few), :func:`linear_kernels`
-switches a model between plain, transposed and packed linear layers for a block, and :func:`measure`
-puts them together into a table. :func:`accel.calibrate.cost_table` caches the result.
+:func:`time_pass` times verify passes over it (milliseconds of each), :func:`linear_kernels`
+switches a model between plain, transposed and packed linear layers for a block, and
+:func:`measure` puts them together into a table (each point's fastest pass).
+:func:`accel.calibrate.cost_table` caches the result.
 
 Measuring swaps the model's linear layers and puts them back; do not run it while the model
 serves requests.
