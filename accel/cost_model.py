@@ -53,7 +53,7 @@ class CostTable:
     kernel_ms: kernel name (``"plain"``, ``"transposed"``, ``"packed"``) ->
         [len(cache_lens)][len(kernel_tokens)] ms (each point's fastest pass, see
         :func:`accel.timing.measure`); only kernels this model can run
-        appear (no ``"packed"`` off a float32 CPU model, nothing but ``"plain"`` off a CPU).
+        appear (nothing but ``"plain"`` off a float32 CPU model).
     measured: False for :func:`static_table` (nominal units, shape only, not milliseconds).
     key: what the table was measured for (model identity, device, dtype, threads, machine).
     """

@@ -546,15 +546,17 @@ def _prepacked(model, prepack: bool | Literal["auto"]):
 
     if prepack == "auto":
         param = next(model.parameters())
-        if param.device.type != "cpu" or param.dtype != torch.float32 or not prepack_available():
-            return model  # nothing to pack: no need to measure
+        if param.device.type != "cpu" or param.dtype != torch.float32:
+            return model  # no kernel to choose: no need to measure
         from .calibrate import cost_table
 
         table = cost_table(model)
         if table.transposed:
             transpose_weights(model)
         window = table.packed_rows
-        return model if window is None else _prepack(model, min_rows=window[0], max_rows=window[1])
+        if window is None or not prepack_available():
+            return model
+        return _prepack(model, min_rows=window[0], max_rows=window[1])
     if not isinstance(prepack, bool):
         raise ValueError(f"prepack must be True, False or 'auto', got {prepack!r}")
     return _prepack(model) if prepack else model

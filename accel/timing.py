@@ -65,15 +65,13 @@ def linear_kernels(model) -> Iterator[Callable[[str], None]]:
     def use(kernel: str) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        for m in packed_mods.values():  # packed means packed for every pass, whatever the window was
-            if isinstance(m, PackedLinear):
-                m.min_rows, m.max_rows = 1, None
         swap(kernel == "packed")
         if kernel != "packed":  # (packed kernels read their own copy: any layout will do)
             (transpose_weights if kernel == "transposed" else untranspose_weights)(model)
         for m in packed_mods.values():
             if isinstance(m, PackedLinear):
-                m.refresh()
+                m.min_rows, m.max_rows = 1, None  # packed means packed for every pass, whatever the window was
+                m.refresh()  # packed again if a layout change made the copy stale
 
     try:
         yield use
@@ -141,20 +139,20 @@ def measure(
     """Measure a :class:`CostTable` for ``model`` (no cache files involved).
 
     Every point of the grid ``tokens`` x ``cache_lens`` is timed with each linear kernel of
-    :func:`linear_kernels` the model can run (transposed weights on a CPU, packed ones where
-    :func:`accel.cpu.prepack` applies: float32 on a CPU), in alternating rounds so that all
-    see the same machine load. The weight layout (:func:`accel.cost_model.weight_layout`) and
-    the window where packed kernels beat it (:func:`accel.cost_model.packed_rows`) decide which
-    kernels each token count runs with, and the grid keeps those times, made non-decreasing in
-    both axes (see :func:`_monotone`).
-    Each point is the fastest of ``1 + repeats`` passes, the first after a warm-up (a busy
-    machine only ever adds time to a pass, so the fastest is the least disturbed; a median of
-    two samples let one burst decide between close kernels); once
-    ``budget_s`` seconds have gone, no further round starts (the first two always run: one
-    sample per point decides kernels by noise on a shared VM; filling the caches is not
-    bounded). With the three kernels, on the 2-core Intel Xeon, the default model takes
-    ~22 s, a 0.5B model ~50 s and a 1.5B one ~155 s. Cache lengths are capped so every pass
-    fits the model's positions.
+    :func:`linear_kernels` the model can run (on a float32 CPU model: plain, transposed, and
+    packed where :func:`accel.cpu.prepack_available`; elsewhere plain only), in alternating
+    rounds so that all see the same machine load. The weight layout
+    (:func:`accel.cost_model.weight_layout`) and the window where packed kernels beat it
+    (:func:`accel.cost_model.packed_rows`) decide which kernels each token count runs with, and
+    the grid keeps those times, made non-decreasing in both axes (see :func:`_monotone`).
+
+    Each point is the fastest of ``1 + repeats`` passes, the first after a warm-up: a busy
+    machine only ever adds time to a pass, so the fastest is the least disturbed (with a median
+    of two, one burst decided between close kernels). Once ``budget_s`` seconds have gone no
+    further round starts, but the first two always run (filling the caches is not bounded).
+    With the three kernels, on the 2-core Intel Xeon, the default model takes ~22 s, a 0.5B
+    model ~50 s and a 1.5B one ~155 s. Cache lengths are capped so every pass fits the model's
+    positions.
     """
     start = time.perf_counter()
     load = _load_average()
@@ -163,9 +161,9 @@ def measure(
     caches = [filled_cache(model, n, seed=i) for i, n in enumerate(cache_lens)]
     param = next(model.parameters())
     names = ["plain"]
-    if param.device.type == "cpu":
+    if param.device.type == "cpu" and param.dtype == torch.float32:  # what accel.load_model applies
         names.append("transposed")
-        if param.dtype == torch.float32 and prepack_available():
+        if prepack_available():
             names.append("packed")
     points = [(c, t) for c in range(len(caches)) for t in range(len(tokens))]
     samples: dict[str, dict] = {name: {p: [] for p in points} for name in names}

@@ -4,11 +4,12 @@ For each distinct linear shape of a model (default: the default model) and each 
 the median milliseconds of
 
 - ``F.linear(x, W)``: what transformers' ``nn.Linear`` runs (W [out, in]);
-- ``torch.mm(x, W.T)`` with ``W.T`` stored contiguous [in, out] (another BLAS layout);
+- ``torch.mm(x, W.T)`` with ``W.T`` stored contiguous [in, out] (another BLAS path; what
+  ``F.linear`` runs on weights stored column-major by ``accel.cpu.transpose_weights``);
 - ``accel.cpu.PackedLinear``: the weight packed once for oneDNN.
 
-Which wins depends on the CPU and on M; ``accel calibrate`` chooses between the first and
-the last for a model's decode and verify passes. ``--passes`` also times whole verify passes
+Which wins depends on the CPU and on M; ``accel calibrate`` chooses among the three for a
+model's decode and verify passes. ``--passes`` also times whole verify passes
 (``accel.timing.time_pass``, 256 cached entries) of the model with every linear layer on each
 kernel, alternating, medians of 5.
 
@@ -23,10 +24,8 @@ import time
 
 import torch
 
-from torch import nn
-
 from accel import timing
-from accel.cpu import PackedLinear, prepack
+from accel.cpu import PackedLinear, prepack, transpose_weights
 from accel.calibrate import _machine
 from accel.models import load_model
 
@@ -42,33 +41,9 @@ def _ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-
-
-class TransposedLinear(nn.Module):
-    """``x @ W.T + b`` from a contiguous copy of ``W.T`` [in, out]."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.wt = linear.weight.detach().t().contiguous()
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.wt.shape[0])
-        y = torch.mm(flat, self.wt) if self.bias is None else torch.addmm(self.bias, flat, self.wt)
-        return y.reshape(*x.shape[:-1], self.wt.shape[1])
-
-
-def _transposed(model: nn.Module) -> nn.Module:
-    for name, m in list(model.named_modules()):
-        if isinstance(m, nn.Linear):
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, TransposedLinear(m))
-    return model
-
-
 def _passes(name: str, rows: list[int]) -> None:
     models = {"F.linear": load_model(name, prepack=False)[0],
-              "transposed": _transposed(load_model(name, prepack=False)[0]),
+              "transposed": transpose_weights(load_model(name, prepack=False)[0]),
               "packed": prepack(load_model(name, prepack=False)[0])}
     cache = timing.filled_cache(models["F.linear"], 256)
     print("\nwhole verify passes, 256 cached (ms)\ntokens  " + "  ".join(f"{k:>10s}" for k in models))
