@@ -25,7 +25,8 @@ can still see (they are never compressed: their memory is bounded by the window 
 
 Rows join with :meth:`extend` (the rows of another cache, e.g. freshly prefilled requests)
 and leave with :meth:`remove` (the last row moves into the freed slot: one row copied per
-departure, nothing on the steps in between).
+departure, nothing on the steps in between). :meth:`cut` takes rows back to earlier
+lengths (a draft model's cache, after the verifier rejected some of its drafts).
 """
 
 from __future__ import annotations
@@ -89,6 +90,9 @@ class SharedCache(TransformersCache):
         self._step_positions: torch.Tensor | None = None  # [B, T] of the step being verified
         # Rows to allocate room for when the batch grows (a service sets its max batch).
         self.row_capacity = 0
+        # Entries beyond each sliding window kept when trimming, so that :meth:`cut` may take
+        # back up to this many tokens (a draft model's cache, rolled back after each verify).
+        self.keep_behind = 0
         self.mask_hook = False  # set while the adapter's per-layer mask hook serves this cache
 
     # ------------------------------------------------------------------ lengths and bytes
@@ -419,6 +423,36 @@ class SharedCache(TransformersCache):
         """Drop every entry appended since the last commit."""
         self.commit(keep=[[] for _ in range(self.batch_size)], advance=0)
 
+    def cut(self, lengths: Sequence[int]) -> None:
+        """Take rows back to ``lengths[b]`` tokens (their logical lengths), dropping each row's
+        newest committed entries: one per token in every layer.
+
+        Only entries committed after the prefill, one per token, may be cut (the caller keeps
+        each length at or above the row's prompt length, whose entries may be compressed); on
+        sliding-window layers at most :attr:`keep_behind` tokens (older entries may have been
+        trimmed). Raises ValueError for a length above the row's, a cut past ``keep_behind``
+        where layers have windows, or one that would cut into entries a layer does not hold.
+        """
+        if any(self._pending):
+            raise RuntimeError("cut() with uncommitted entries; commit() first")
+        lengths = [int(n) for n in lengths]
+        if len(lengths) != self.batch_size:
+            raise ValueError(f"cut() got {len(lengths)} lengths for {self.batch_size} rows")
+        drops = [n - m for n, m in zip(self.logical_lengths, lengths)]
+        if any(d < 0 for d in drops):
+            raise ValueError(f"cut() lengths {lengths} exceed the rows' lengths {self.logical_lengths}")
+        if not any(drops):
+            return
+        if any(w is not None for w in self.windows) and max(drops) > self.keep_behind:
+            raise ValueError(f"cut() of {max(drops)} tokens on a cache with sliding windows that keeps "
+                             f"{self.keep_behind} behind them (keep_behind)")
+        for layer in range(self.num_layers):
+            if any(d > n for d, n in zip(drops, self._len[layer])):
+                raise ValueError(f"cut() would drop more entries than layer {layer} keeps")
+        for layer in range(self.num_layers):
+            self._len[layer] = [n - d for n, d in zip(self._len[layer], drops)]
+        self.logical_lengths = lengths
+
     def _trim_windows(self) -> None:
         """Drop, on sliding-window layers, the entries no future query can see (amortised:
         once a row holds more than its window plus the growth slack)."""
@@ -429,7 +463,7 @@ class SharedCache(TransformersCache):
             keep = []
             for row, (n, logical) in enumerate(zip(self._len[layer], self.logical_lengths)):
                 row_pos = pos[row, :n]
-                keep.append(torch.nonzero(row_pos >= logical - window).flatten().tolist())
+                keep.append(torch.nonzero(row_pos >= logical - window - self.keep_behind).flatten().tolist())
             self._compact(layer, keep)
 
     def _compact(self, layer: int, keep: list[list[int]]) -> None:

@@ -180,3 +180,53 @@ def test_buffer_growth_preserves_entries():
         c._store(0, *kv(t=1, start=step))
         c.commit([0])
     assert positions(c) == list(range(600))
+
+
+def test_cut_takes_rows_back_to_earlier_lengths():
+    c = SharedCache(num_layers=2, windows=[None, 3])
+    c.keep_behind = 2
+    c.begin_prefill([4, 2])
+    for layer in range(2):
+        c._store(layer, kv_rows([0, 100], 4), -kv_rows([0, 100], 4))
+    c.end_prefill()
+    for step in range(3):  # three tokens appended to both rows, one by one
+        for layer in range(2):
+            c._store(layer, kv_rows([4 + step, 102 + step], 1), -kv_rows([4 + step, 102 + step], 1))
+        c.commit(keep=[[0], [0]])
+    assert c.logical_lengths == [7, 5]
+    c.cut([5, 5])  # row 0 loses its newest two tokens, row 1 nothing
+    assert c.logical_lengths == [5, 5] and c.row_lengths(0) == [5, 5]
+    assert row_positions(c, 0) == [0, 1, 2, 3, 4] and row_positions(c, 1) == [100, 101, 102, 103, 104]
+    assert c.row_lengths(1) == [4, 5]  # the window layer (3 prompt entries kept of row 0): one per token too
+    for layer in range(2):  # appending after a cut continues behind the kept entries
+        c._store(layer, kv_rows([50, 150], 1), -kv_rows([50, 150], 1))
+    c.commit(keep=[[0], [0]])
+    assert row_positions(c, 0) == [0, 1, 2, 3, 4, 50]
+    with pytest.raises(ValueError, match="exceed"):
+        c.cut([7, 6])
+    with pytest.raises(ValueError, match="lengths"):
+        c.cut([1])
+    with pytest.raises(ValueError, match="keep_behind"):  # older window entries may be trimmed
+        c.cut([3, 6])
+    c.keep_behind = 10
+    with pytest.raises(ValueError, match="layer 1"):  # the window layer holds fewer entries
+        c.cut([0, 6])
+    c._store(0, kv_rows([60, 160], 1), -kv_rows([60, 160], 1))
+    with pytest.raises(RuntimeError, match="uncommitted"):
+        c.cut([5, 5])
+
+
+def test_window_trim_keeps_entries_a_cut_may_need():
+    for behind, kept in ((0, 4), (3, 7)):
+        c = SharedCache(num_layers=1, windows=[4])
+        c.keep_behind = behind
+        c.begin_prefill([1])
+        c._store(0, *kv(t=1))
+        c.end_prefill()
+        for p in range(1, 300):  # long enough for the amortised trim
+            c.prepare_step(torch.tensor([[p]]), None, torch.float32, groups=1)
+            c._store(0, *kv(t=1, start=p))
+            c.commit(keep=[0])
+        assert positions(c)[0] == 261 - 4 - behind  # trimmed once, at 261 tokens
+        c.cut([300 - behind])
+        assert positions(c)[-kept:] == list(range(300 - behind - kept, 300 - behind))
