@@ -237,6 +237,36 @@ def merge_tree(proposals: list[DraftProposal | None], ctx: DraftContext) -> tupl
     return DraftTree.from_proposal(root, merged.proposal), merged.source
 
 
+def _groups(plans: Sequence[Plan], depth: int, members: Sequence[int]) -> list[tuple[Any, list[int]]]:
+    """The rows of ``members`` with an ``depth``-th drafter, grouped by equal drafters."""
+    groups: list[tuple[Any, list[int]]] = []
+    for b in members:
+        if len(plans[b].drafters) <= depth:
+            continue
+        drafter = plans[b].drafters[depth]
+        group = next((g for g in groups if _same_drafter(g[0], drafter)), None)
+        if group is None:
+            groups.append((drafter, [b]))
+        else:
+            group[1].append(b)
+    return groups
+
+
+def start_rows(model, plans: Sequence[Plan], prompts: Sequence[torch.Tensor]) -> list[list[Any]]:
+    """Every admitted row's drafter states (:meth:`Drafter.start`), rows of equal drafters
+    started together through :meth:`Drafter.start_batch`."""
+    states: list[list[Any]] = [[None] * len(p.drafters) for p in plans]
+    for i in range(max((len(p.drafters) for p in plans), default=0)):
+        for drafter, members in _groups(plans, i, range(len(plans))):
+            if len(members) > 1:
+                got = drafter.start_batch(model, [prompts[b] for b in members])
+            else:
+                got = [drafter.start(model, prompts[members[0]])]
+            for b, state in zip(members, got):
+                states[b][i] = state
+    return states
+
+
 def draft_rows(plans: Sequence[Plan], states: Sequence[list[Any]], ctxs: Sequence[DraftContext]
                ) -> tuple[list[tuple[DraftTree, torch.Tensor | None]], list[float], list[BaseException | None]]:
     """Every row's draft tree for one batched step.
@@ -256,17 +286,7 @@ def draft_rows(plans: Sequence[Plan], states: Sequence[list[Any]], ctxs: Sequenc
     errors: list[BaseException | None] = [None] * rows
     depth = max((len(p.drafters) for p in plans), default=0)
     for i in range(depth):
-        groups: list[tuple[Any, list[int]]] = []
-        for b, plan in enumerate(plans):
-            if len(plan.drafters) <= i or ctxs[b].max_tokens <= 0:
-                continue
-            drafter = plan.drafters[i]
-            group = next((g for g in groups if _same_drafter(g[0], drafter)), None)
-            if group is None:
-                groups.append((drafter, [b]))
-            else:
-                group[1].append(b)
-        for drafter, members in groups:
+        for drafter, members in _groups(plans, i, [b for b in range(rows) if ctxs[b].max_tokens > 0]):
             t0 = time.perf_counter()
             got = None
             if len(members) > 1 and type(drafter).propose_batch is not Drafter.propose_batch:
@@ -530,9 +550,10 @@ class Batch:
             row.stats.prefill_s = elapsed
             row.stats.exact_verify = self.exact
             row.tokens = torch.cat([row.prompt, row.prompt.new_tensor([acc.next_token])])
-            row.states = [d.start(self.model, row.prompt) for d in row.plan.drafters]
             row.hidden = hidden[b] if row.plan.needs_hidden else None
             row.emit([acc.next_token])
+        for row, states in zip(rows, start_rows(self.model, [r.plan for r in rows], [r.prompt for r in rows])):
+            row.states = states
         self.cache.extend(fresh)
         self.rows.extend(rows)
 
@@ -615,6 +636,8 @@ class Batch:
         s.kv_bytes_kept = self.cache.kept_bytes(i)
         s.kv_bytes_full = self.geo.entry_bytes() * self.cache.logical_lengths[i]
         self.cache.remove(i)
+        for drafter, state in zip(row.plan.drafters, row.states):
+            drafter.release(state)
         last = self.rows.pop()
         if last is not row:
             self.rows[i] = last

@@ -165,6 +165,12 @@ class Drafter(Strategy):
         """Per-request state, created after the prefill. prompt: LongTensor [n]."""
         return None
 
+    def start_batch(self, model: Any, prompts: list[torch.Tensor]) -> list[Any]:
+        """:meth:`start` for several requests admitted together, one state per prompt [n_b].
+        The default starts them one by one; a drafter with per-request model work overrides
+        it (a draft model prefills every prompt in one forward)."""
+        return [self.start(model, p) for p in prompts]
+
     def propose(self, state: Any, ctx: DraftContext) -> DraftProposal | None:
         """A draft tree of at most ``ctx.max_tokens`` nodes, or None for no draft."""
         raise NotImplementedError
@@ -178,6 +184,11 @@ class Drafter(Strategy):
         must leave ``states`` unchanged when it raises: the engine then asks row by row, to
         find the row that fails."""
         return [self.propose(s, c) for s, c in zip(states, ctxs)]
+
+    def release(self, state: Any) -> None:
+        """The request of ``state`` left its batch (finished, cancelled or failed): free what
+        the state shares with other rows (a batched draft cache's row). Called once per
+        state; the default does nothing."""
 
     def feedback(self, state: Any, proposed: int, accepted: int) -> None:
         """After each verify step: how many of this drafter's nodes were proposed, and how
