@@ -9,10 +9,13 @@ draft x_j is drawn from q_j = ``softmax(warp(draft logits))`` and q_j is recorde
 accept with min(1, p(x)/q(x)), else resample from norm(max(p - q, 0))) is Chen et al.'s
 lossless speculative sampling: every emitted token is distributed as the target's p.
 
-The draft model keeps its own :class:`~accel.cache.SharedCache` in the per-request state
-(optionally compressed by ``compress``, e.g. SnapKV); the verifier's cache is untouched.
-Each step first brings the draft cache in line with the sequence: the entries of the draft
-tokens the verifier accepted are kept (``commit(keep=...)``), the others dropped, and the
+The draft model keeps its own :class:`~accel.cache.SharedCache` (optionally compressed by
+``compress``, e.g. SnapKV); the verifier's cache is untouched. The rows of a batch that draft
+with the same draft model share one batched draft cache, so each draft forward feeds every
+row at once (:meth:`DraftModel.propose_batch`): drafting k tokens for B rows costs about k
+forwards of B rows, not B x k forwards of one. Every fed token is committed at once; each step
+first brings a row in line with the sequence: the entries of the longest prefix it shares with
+the sequence are kept, the rejected drafts are cut off (:meth:`SharedCache.cut`), and the
 tokens the draft has not seen (the bonus token, and the last draft when all were accepted)
 are fed before drafting on.
 
@@ -132,24 +135,103 @@ def fit_vocab(logits: torch.Tensor, width: int) -> torch.Tensor:
     return torch.cat([logits, pad], dim=-1)
 
 
+def _ids(draft: Any, tokens: list[int]) -> torch.Tensor:
+    """Token ids for the draft's embedding, LongTensor [n]. An id past the draft's vocabulary
+    (a padded id of a wider target) becomes 0: it only makes the drafts after it worse."""
+    limit = _vocab_size(draft)
+    return torch.tensor([t if t < limit else 0 for t in tokens], dtype=torch.long)
+
+
 # --------------------------------------------------------------------------- per request
 
-
-@dataclass
+@dataclass(eq=False)
 class _State:
-    """One request's draft model state.
+    """One request's draft model state: a row of a :class:`_Rows` cache.
 
-    tokens: LongTensor [L], the sequence behind the draft cache's committed entries
-        (L == cache.logical_length), on the target's device.
-    pending: tokens of the entries appended since the last commit, in order: the first
-        fed token of the last draft step, then every draft but the last.
+    tokens: LongTensor [L], the sequence behind the row's cache entries (L is the row's
+        logical length: the prompt, the emitted tokens, the drafts fed since).
+    floor: tokens of the row's draft prefill (its entries may be compressed: never cut).
+    width: the target's logits width.
     """
 
     model: Any
-    cache: SharedCache | None
+    rows: "_Rows"
     tokens: torch.Tensor
-    width: int  # the target's logits width
-    pending: list[int] = field(default_factory=list)
+    floor: int
+    width: int
+    released: bool = False
+
+
+class _Rows:
+    """The draft rows of requests that draft together: one batched :class:`SharedCache`
+    whose row b belongs to ``members[b]``, so one draft forward serves every row.
+
+    Requests admitted together start in one group (one prefill forward for all,
+    :meth:`DraftModel.start_batch`); a batched step merges the groups of the rows it drafts
+    for (one copy of each joining row: requests admitted later); a request that leaves the
+    batch releases its row (the last row moves into its slot).
+    """
+
+    def __init__(self, model: Any, keep_behind: int) -> None:
+        self.model = model
+        geo = adapter.geometry(model)
+        self.dtype, self.device = geo.dtype, geo.device
+        self.cache = SharedCache(geo.num_layers, adapter.layer_windows(model))
+        self.cache.keep_behind = keep_behind  # rejected drafts are cut off: at most num_tokens
+        self.cache.row_capacity = 16
+        self.members: list[_State] = []
+
+    def row(self, state: _State) -> int:
+        return next(i for i, s in enumerate(self.members) if s is state)
+
+    def join(self, states: list[_State], cache: SharedCache) -> None:
+        """Add the rows of ``cache`` (nothing uncommitted), row b being ``states[b]``'s."""
+        self.cache.extend(cache)
+        self.members += states
+        for state in states:
+            state.rows = self
+
+    def absorb(self, other: "_Rows") -> None:
+        """Move every row of ``other`` into this group."""
+        if other.model is not self.model:
+            raise ValueError("rows of different draft models cannot draft together")
+        self.cache.extend(other.cache)
+        self.cache.keep_behind = max(self.cache.keep_behind, other.cache.keep_behind)
+        for state in other.members:
+            state.rows = self
+        self.members += other.members
+        other.members = []
+        other.cache = SharedCache(self.cache.num_layers, self.cache.windows)
+
+    def leave(self, state: _State) -> None:
+        """Remove ``state``'s row (if it has one here)."""
+        i = next((i for i, s in enumerate(self.members) if s is state), None)
+        if i is None:
+            return
+        self.cache.remove(i)
+        last = self.members.pop()
+        if last is not state:
+            self.members[i] = last
+
+    def forward(self, feeds: list[list[int] | None]) -> torch.Tensor:
+        """Append each row's ``feeds[b]`` (a chain of draft-vocabulary ids; None: nothing)
+        and commit them; the draft logits after each fed row's last token, [F, V_d] (fed
+        rows in row order). One forward for every row (rows without a feed take a dummy
+        token whose entry is dropped)."""
+        cache = self.cache
+        trees = [DraftTree.chain(f[0], f[1:], device=self.device) if f else DraftTree.root_only(0, device=self.device)
+                 for f in feeds]
+        try:
+            hidden = verify(self.model, cache, trees, self.dtype)  # [B, T, H]
+        except BaseException:
+            if cache.pending_entries:
+                cache.rollback()
+            raise
+        cache.commit([list(range(len(f))) if f else [] for f in feeds])
+        fed = [b for b, f in enumerate(feeds) if f]
+        last = hidden[torch.tensor(fed, device=hidden.device), torch.tensor([len(feeds[b]) - 1 for b in fed],
+                                                                            device=hidden.device)]
+        return adapter.output_logits(self.model, last)
 
 
 @register
@@ -256,80 +338,120 @@ class DraftModel(Drafter):
 
     @torch.inference_mode()
     def start(self, model: Any, prompt: torch.Tensor) -> _State:
+        return self.start_batch(model, [prompt])[0]
+
+    @torch.inference_mode()
+    def start_batch(self, model: Any, prompts: list[torch.Tensor]) -> list[_State]:
+        """Prefill the draft model over every prompt [n_b] in one forward: the rows of one
+        draft cache, which then draft together."""
         self.check(model)
         draft, _ = self.resolve(model)
-        state = _State(draft, None, prompt[:0], _vocab_size(model))
-        self._prefill(state, prompt)
-        return state
+        rows = _Rows(draft, self.num_tokens)
+        states = [_State(draft, rows, p.clone(), int(p.numel()), _vocab_size(model)) for p in prompts]
+        rows.join(states, self._prefilled(draft, prompts))
+        return states
+
+    @torch.inference_mode()
+    def release(self, state: _State) -> None:
+        if not state.released:
+            state.released = True
+            state.rows.leave(state)
+
+    def _prefilled(self, draft: Any, prompts: list[torch.Tensor]) -> SharedCache:
+        """A fresh draft cache holding ``prompts`` (compressed if configured), one row each."""
+        geo = adapter.geometry(draft)
+        fresh = SharedCache(geo.num_layers, adapter.layer_windows(draft))
+        prefill(draft, fresh, [_ids(draft, p.tolist()).to(geo.device) for p in prompts], self.compress)
+        return fresh
 
     def _prefill(self, state: _State, tokens: torch.Tensor) -> None:
-        """A fresh draft cache holding ``tokens`` [n] (compressed if configured)."""
-        geo = adapter.geometry(state.model)
-        state.cache = SharedCache(geo.num_layers)
-        state.pending = []
-        device = geo.device
-        prefill(state.model, state.cache, self._ids(state, tokens.tolist()).unsqueeze(0).to(device), self.compress)
-        state.tokens = tokens.clone()
+        """Give ``state`` a fresh row holding ``tokens`` [n], in the group it belongs to."""
+        state.rows.leave(state)
+        state.rows.join([state], self._prefilled(state.model, [tokens]))
+        state.tokens, state.floor = tokens.clone(), int(tokens.numel())
 
     @torch.inference_mode()
     def propose(self, state: _State, ctx: DraftContext) -> DraftProposal | None:
-        tokens = ctx.tokens
-        self._sync(state, tokens)
-        count = min(self.num_tokens, ctx.max_tokens)
-        if count <= 0:
-            return None
-        feed = tokens[state.cache.logical_length :].tolist()  # the root at least
-        drafts: list[int] = []
-        probs: list[torch.Tensor] = []
-        for j in range(count):
-            logits = fit_vocab(self._forward(state, feed).to(tokens.device), state.width)  # [V]
-            if ctx.warp is None:
-                x = int(logits.argmax())
-                confidence = float(torch.softmax(logits, -1)[x]) if self.stop_below is not None else 1.0
-            else:
-                q = torch.softmax(ctx.warp(logits.unsqueeze(0)), dim=-1)[0]  # [V]
-                x = draw_from(None, q, ctx.generator, j + 1)
-                probs.append(q)
-                confidence = float(q[x]) if self.stop_below is not None else 1.0
-            drafts.append(x)
-            if self.stop_below is not None and confidence < self.stop_below:
-                break
-            feed = [x]
-        out = torch.tensor(drafts, dtype=torch.long, device=tokens.device)
-        return DraftProposal(tokens=out, parents=torch.arange(len(drafts), device=tokens.device),
-                             probs=torch.stack(probs) if probs else None)
+        return self.propose_batch([state], [ctx])[0]
 
-    def _sync(self, state: _State, tokens: torch.Tensor) -> None:
-        """Bring the draft cache in line with ``tokens`` [n] (the sequence, pending root last):
-        keep the appended entries whose tokens the sequence continued with, drop the rest."""
-        cache = state.cache
-        seen = cache.logical_length
-        if tokens.numel() <= seen or not torch.equal(tokens[:seen], state.tokens):
-            # Not a continuation of what the draft saw (the caller rewrote the sequence).
+    @torch.inference_mode()
+    def propose_batch(self, states: list[_State], ctxs: list[DraftContext]) -> list[DraftProposal | None]:
+        """Draft every row's chain together: each draft forward feeds all rows at once (the
+        rows' first feeds ragged, then one token per row still drafting), so drafting for B
+        rows costs about as many forwards as drafting for one."""
+        counts = [min(self.num_tokens, c.max_tokens) for c in ctxs]
+        live = [i for i, n in enumerate(counts) if n > 0 and not states[i].released]
+        out: list[DraftProposal | None] = [None] * len(states)
+        if not live:
+            return out
+        rows = states[live[0]].rows
+        for i in live[1:]:
+            if states[i].rows is not rows:
+                rows.absorb(states[i].rows)
+        first = {i: self._sync(states[i], ctxs[i].tokens) for i in live}  # may re-prefill a row
+        where = {i: rows.row(states[i]) for i in live}
+        feeds: list[list[int] | None] = [None] * len(rows.members)
+        for i in live:
+            feeds[where[i]] = _ids(states[i].model, first[i]).tolist()
+        drafts: dict[int, list[int]] = {i: [] for i in live}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in live}
+        active = sorted(live, key=where.get)  # the order of the rows' logits
+        while active:
+            logits = rows.forward(feeds)  # [A, V_d]
+            for i in active:  # the fed tokens are committed: the states follow at once
+                fed = drafts[i][-1:] if drafts[i] else first[i]
+                states[i].tokens = torch.cat([states[i].tokens, states[i].tokens.new_tensor(fed)])
+            feeds = [None] * len(rows.members)
+            still = []
+            for j, i in enumerate(active):
+                state, ctx = states[i], ctxs[i]
+                x, confidence, q = self._pick(fit_vocab(logits[j].to(ctx.tokens.device), state.width), ctx,
+                                              len(drafts[i]) + 1)
+                drafts[i].append(x)
+                if q is not None:
+                    probs[i].append(q)
+                if len(drafts[i]) < counts[i] and (self.stop_below is None or confidence >= self.stop_below):
+                    feeds[where[i]] = _ids(state.model, [x]).tolist()
+                    still.append(i)
+            active = still
+        for i in live:
+            device = ctxs[i].tokens.device
+            out[i] = DraftProposal(tokens=torch.tensor(drafts[i], dtype=torch.long, device=device),
+                                   parents=torch.arange(len(drafts[i]), device=device),
+                                   probs=torch.stack(probs[i]) if probs[i] else None)
+        return out
+
+    def _pick(self, logits: torch.Tensor, ctx: DraftContext, node: int) -> tuple[int, float, torch.Tensor | None]:
+        """One draft from draft logits [V]: (token, its draft probability, q [V] or None).
+        Greedy: the argmax (a point mass, q None). Sampling: a draw from q = softmax(warp(logits))."""
+        if ctx.warp is None:
+            x = int(logits.argmax())
+            confidence = float(torch.softmax(logits, -1)[x]) if self.stop_below is not None else 1.0
+            return x, confidence, None
+        q = torch.softmax(ctx.warp(logits.unsqueeze(0)), dim=-1)[0]  # [V]
+        x = draw_from(None, q, ctx.generator, node)
+        return x, float(q[x]), q
+
+    def _sync(self, state: _State, tokens: torch.Tensor) -> list[int]:
+        """Bring the state's row in line with ``tokens`` [n] (the sequence, pending root last):
+        keep the entries of the longest common prefix, cut the rest (rejected drafts), and
+        return the tokens still to feed (at least the root: its logits are what drafting
+        needs). A sequence that departs from the row inside its prefill (the caller rewrote
+        it), or further back than a sliding window's slack, gets a fresh prefill."""
+        seen = state.tokens
+        n = min(seen.numel(), tokens.numel() - 1)
+        same = torch.eq(seen[:n], tokens[:n])
+        common = n if bool(same.all()) else int((~same).nonzero()[0])
+        if common >= state.floor and common < seen.numel():
+            cache, row = state.rows.cache, state.rows.row(state)
+            lengths = list(cache.logical_lengths)
+            lengths[row] = common
+            try:
+                cache.cut(lengths)
+                state.tokens = seen[:common]
+            except ValueError:  # more than a sliding window's slack: prefill again
+                common = -1
+        if common < state.floor:
             self._prefill(state, tokens[:-1])
-            return
-        tail = tokens[seen:].tolist()
-        keep = 0
-        # the last token (the root) is always fed again: its logits are what drafting needs
-        while keep < min(len(state.pending), len(tail) - 1) and state.pending[keep] == tail[keep]:
-            keep += 1
-        cache.commit(keep=list(range(keep)), advance=keep)
-        state.pending = []
-        state.tokens = tokens[: seen + keep].clone()
-
-    def _forward(self, state: _State, feed: list[int]) -> torch.Tensor:
-        """Append ``feed`` to the draft cache (uncommitted); the logits after its last token, [V_d]."""
-        cache = state.cache
-        device = adapter.geometry(state.model).device
-        ids = self._ids(state, feed).to(device)
-        tree = DraftTree.chain(int(ids[0]), ids[1:], device=device)
-        hidden = verify(state.model, cache, tree, adapter.geometry(state.model).dtype)
-        state.pending += feed
-        return adapter.output_logits(state.model, hidden[-1])
-
-    @staticmethod
-    def _ids(state: _State, tokens: list[int]) -> torch.Tensor:
-        """Token ids for the draft's embedding. An id past the draft's vocabulary (a padded
-        id of a wider target) becomes 0: it only makes the drafts after it worse."""
-        limit = _vocab_size(state.model)
-        return torch.tensor([t if t < limit else 0 for t in tokens], dtype=torch.long)
+            common = tokens.numel() - 1
+        return tokens[common:].tolist()

@@ -122,6 +122,125 @@ def test_engine_budget_and_dynamic_lookahead():
     assert cautious.stats.drafted_tokens < full.stats.drafted_tokens
 
 
+# --------------------------------------------------------------------------- batched drafting
+
+
+def _ctx(tokens, budget=4):
+    from accel.strategy import DraftContext
+
+    return DraftContext(tokens=tokens, hidden=None, max_tokens=budget)
+
+
+def test_batched_drafts_equal_row_by_row_drafts_in_fewer_forwards(monkeypatch):
+    """propose_batch gives each row the chain propose gives it alone, over two steps (the
+    second after partial acceptance, with ragged feeds and budgets), with one draft forward
+    per draft depth for all rows instead of one per row; rows prefilled together
+    (start_batch) and apart join one draft cache."""
+    import speculative.draft_model as dm
+
+    target = make_tiny_model(**TARGET)
+    strategy = DraftModel(model=_noisy_copy(target, 0.005), num_tokens=4, stop_below=None)
+    prompts = [_prompt(s, n)[0] for s, n in ((3, 20), (4, 33), (5, 27))]
+    forwards: list[int] = []
+    verify = dm.verify
+    monkeypatch.setattr(dm, "verify", lambda model, cache, trees, dtype: forwards.append(len(trees))
+                        or verify(model, cache, trees, dtype))
+    with torch.inference_mode():
+        alone = [strategy.start(target, p) for p in prompts]
+        together = strategy.start_batch(target, prompts[:2]) + [strategy.start(target, prompts[2])]
+        assert together[0].rows is together[1].rows is not together[2].rows  # one prefill forward for two
+        first = [torch.cat([p, p.new_tensor([7])]) for p in prompts]
+        forwards.clear()
+        a = [strategy.propose(s, _ctx(t)) for s, t in zip(alone, first)]
+        assert forwards == [1] * 12
+        forwards.clear()
+        b = strategy.propose_batch(together, [_ctx(t) for t in first])
+        assert forwards == [3] * 4  # every depth, all rows at once
+        assert [p.tokens.tolist() for p in a] == [p.tokens.tolist() for p in b]
+        # row 0 accepts two drafts, row 1 none, row 2 all four; then each its bonus token
+        accepted = [2, 0, 4]
+        second = [torch.cat([t, p.tokens[:k], t.new_tensor([9])]) for t, p, k in zip(first, a, accepted)]
+        budgets = [4, 2, 3]
+        a2 = [strategy.propose(s, _ctx(t, n)) for s, t, n in zip(alone, second, budgets)]
+        b2 = strategy.propose_batch(together, [_ctx(t, n) for t, n in zip(second, budgets)])
+    assert [p.tokens.tolist() for p in a2] == [p.tokens.tolist() for p in b2]
+    assert [len(p) for p in b2] == budgets
+    rows = together[0].rows
+    assert all(s.rows is rows for s in together) and rows.cache.batch_size == 3
+    for s, t, p in zip(together, second, b2):  # each row holds its sequence and drafts but the last
+        assert torch.equal(s.tokens, torch.cat([t, p.tokens[:-1]]))
+        assert rows.cache.logical_lengths[rows.row(s)] == s.tokens.numel()
+    for s in together:
+        strategy.release(s)
+    assert rows.cache.batch_size == 0 and not rows.members
+
+
+@pytest.mark.parametrize("draft_kind, compress, target_snapkv", [
+    ("noisy_copy", None, False), ("garbage", None, False), ("noisy_copy", "snapkv", True),
+    ("noisy_copy", "ada", False),
+])
+def test_batch_with_a_draft_model_equals_each_row_alone(draft_kind, compress, target_snapkv):
+    """Prompts of different lengths in one batch: each row's output is its output alone and
+    its plain greedy output, and the draft forwards fed several rows at once."""
+    target = make_tiny_model(**TARGET)
+    draft = _noisy_copy(target, 0.005) if draft_kind == "noisy_copy" else make_tiny_model(
+        seed=6, num_hidden_layers=3, initializer_range=1.0)
+    comp = {"snapkv": SnapKV(budget=12, window=4, kernel=3), "ada": AdaSnapKV(budget=12, window=4, kernel=3)}.get(compress)
+    base = [SnapKV(budget=16, window=4, kernel=3)] if target_snapkv else []
+    strategies = base + [DraftModel(model=draft, num_tokens=3, stop_below=None, compress=comp)]
+    prompts = [_prompt(s, n) for s, n in ((3, 40), (4, 22), (5, 31), (6, 45))]
+    rows_fed: list[int] = []
+    hook = draft.model.register_forward_pre_hook(lambda m, args, kw: rows_fed.append(kw["input_ids"].shape[0]),
+                                                 with_kwargs=True)
+    try:
+        batch = accel.generate(target, prompts, strategies=strategies, max_new_tokens=30, eos_token_id=[])
+    finally:
+        hook.remove()
+    assert max(rows_fed) == 4
+    for b, ids in enumerate(prompts):
+        alone = _greedy(target, ids, strategies, new=30).sequences[0, ids.shape[1]:]
+        plain = _greedy(target, ids, base, new=30).sequences[0, ids.shape[1]:]
+        got = batch.sequences[b, -30:]
+        assert torch.equal(got, alone) and torch.equal(got, plain), f"row {b}"
+
+
+def test_rows_leave_the_draft_cache_and_a_failed_batched_draft_falls_back(monkeypatch):
+    """Rows of different lengths finish at different steps: each finished row leaves the
+    batched draft cache. A batched draft that fails halfway leaves every row consistent:
+    the engine drafts row by row for that step and the output stays exact."""
+    import speculative.draft_model as dm
+
+    target = make_tiny_model(**TARGET)
+    strategy = DraftModel(model=_noisy_copy(target, 0.005), num_tokens=3, stop_below=None)
+    started: list[Any] = []
+    start = DraftModel.start
+    monkeypatch.setattr(DraftModel, "start", lambda self, m, p: started.append(start(self, m, p)) or started[-1])
+    forward = dm._Rows.forward
+    calls = {"batched": 0, "sizes": []}
+
+    def flaky(self, feeds):
+        calls["sizes"].append(self.cache.batch_size)
+        if sum(f is not None for f in feeds) > 1:
+            calls["batched"] += 1
+            if calls["batched"] == 2:  # the second depth of a batched draft
+                raise RuntimeError("a flaky draft forward")
+        return forward(self, feeds)
+
+    monkeypatch.setattr(dm._Rows, "forward", flaky)
+    prompts = [_prompt(s, 30) for s in (3, 4, 5)]
+    lengths = [8, 20, 14]
+    outs = []
+    for ids, n in zip(prompts, lengths):
+        outs.append(_greedy(target, ids, new=n).sequences[0, ids.shape[1]:])
+    with accel.Engine(target, strategies=[strategy], max_batch=4) as engine:
+        handles = [engine.submit(ids[0], max_new_tokens=n, eos_token_id=[]) for ids, n in zip(prompts, lengths)]
+        results = [h.result(timeout=120) for h in handles]
+    for r, ref in zip(results, outs):
+        assert r.finish_reason == "length" and r.tokens == ref.tolist()
+    assert calls["batched"] > 2 and max(calls["sizes"]) == 3 and calls["sizes"][-1] < 3
+    assert all(s.released for s in started) and all(not s.rows.members for s in started)
+
+
 # --------------------------------------------------------------------------- the draft cache
 
 
@@ -134,14 +253,12 @@ class Checked(DraftModel):
     def propose(self, state, ctx):
         prop = super().propose(state, ctx)
         seq = ctx.tokens
-        # after syncing: the committed entries are the sequence up to (not including) the
-        # tokens fed this step; the uncommitted ones are the fed token(s) and drafts but the last
-        committed = state.cache.logical_length
-        assert torch.equal(state.tokens, seq[:committed])
-        fed = seq[committed:].tolist()
-        assert state.pending[: len(fed)] == fed
-        assert len(state.pending) == len(fed) + len(prop) - 1
-        assert state.cache.physical_length(0) == state.cache.committed_length(0) + len(state.pending)
+        # after drafting: the row holds the sequence and every draft but the last, all
+        # committed, and nothing else (rejected drafts of earlier steps were cut off)
+        rows = state.rows
+        assert torch.equal(state.tokens, torch.cat([seq, prop.tokens[:-1]]))
+        assert rows.cache.logical_lengths[rows.row(state)] == state.tokens.numel()
+        assert rows.cache.pending_entries == 0
         # the chain is the draft model's own greedy continuation, computed from scratch
         full = torch.cat([seq, prop.tokens[:-1]]).unsqueeze(0)
         logits = state.model(full).logits[0, seq.numel() - 1 :]
@@ -171,8 +288,9 @@ def test_draft_cache_restarts_when_the_sequence_is_rewritten():
         state = strategy.start(target, _prompt(3, 20)[0])
         other = _prompt(4, 25)[0]
         prop = strategy.propose(state, DraftContext(tokens=other, hidden=None, max_tokens=3))
-    assert torch.equal(state.tokens, other[:-1]) and state.cache.logical_length == other.numel() - 1
-    assert len(prop) == 3
+    assert len(prop) == 3 and state.floor == other.numel() - 1  # a fresh prefill of the new sequence
+    assert torch.equal(state.tokens, torch.cat([other, prop.tokens[:-1]]))
+    assert state.rows.cache.logical_lengths == [state.tokens.numel()]
 
 
 # --------------------------------------------------------------------------- vocabularies
