@@ -12,6 +12,7 @@ Plots use matplotlib's ``Figure`` directly (Agg canvas), never pyplot's global s
 from __future__ import annotations
 
 import math
+import os
 import re
 from collections import defaultdict
 from pathlib import Path
@@ -173,8 +174,8 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
     lines += [
         f"- **Command:** `{meta['command']}`",
         f"- **Machine:** {_machine_line(machine)}",
-        f"- **Model:** {machine['model']} ({machine['model_name'] or machine['model_class']}, "
-        f"{machine['model_class']}, {params:.1f}M parameters), {machine['dtype']} on {machine['device']}"
+        f"- **Model:** {machine['model']} ({_model_name(machine)}{machine['model_class']}, {params:.1f}M parameters), "
+        f"{machine['dtype']} on {machine['device']}"
         + ("; linear weights stored column-major (`accel.cpu.transpose_weights`), baselines included"
            if machine.get("transposed") else "")
         + ("; linear weights prepacked for oneDNN (`accel.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
@@ -292,6 +293,15 @@ _BATCHED_COLUMNS = [
     "- **exact rows**: rows whose tokens equal the reference's row for the same item in the same call "
     "group, of the rows compared (mean agreement in brackets).",
 ]
+
+
+def _model_name(machine: dict[str, Any]) -> str:
+    """The model's own name, with a comma, where it says more than the experiment's name for
+    it; a local folder by its last component (no machine's paths in a report)."""
+    name = machine.get("model_name") or ""
+    if os.path.isabs(name):
+        name = os.path.basename(os.path.normpath(name))
+    return f"{name}, " if name and name != machine["model"] else ""
 
 
 def _batched_table(configs: dict[str, dict[str, Any]], reference: str, arrivals: bool, gpu: bool) -> list[str]:
