@@ -12,6 +12,8 @@ would be alone. Plain decoding is the same loop with root-only trees.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -61,18 +63,19 @@ def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_p
 
 
 # The guards of each model's batches, by (batch size rounded up to a power of two, drafter
-# classes): what drafting delivered is remembered across calls and requests of the process.
+# settings): what drafting delivered is remembered across calls and requests of the process.
 _GUARDS: "weakref.WeakKeyDictionary[Any, dict[tuple, DraftGuard]]" = weakref.WeakKeyDictionary()
 
 
 def draft_guard(model, rows: Sequence["Row"]) -> DraftGuard:
     """The :class:`~accel.cost_model.DraftGuard` for a batch of ``rows`` on ``model``: one per
-    batch size (rounded up to a power of two: 1, 2, 4, 8, ...) and set of drafter classes,
-    kept for the model's life, so a batch size where drafting did not pay starts the next
-    call muted instead of paying for the lesson again."""
+    batch size (rounded up to a power of two: 1, 2, 4, 8, ...) and set of drafters (their
+    settings: two draft models, or one with another draft length, learn apart), kept for the
+    model's life, so a batch size where drafting did not pay starts the next call muted
+    instead of paying for the lesson again."""
     bucket = 1 << max(len(rows) - 1, 0).bit_length()
-    names = tuple(sorted({type(d).__name__ for r in rows for d in r.plan.drafters}))
-    return _GUARDS.setdefault(model, {}).setdefault((bucket, names), DraftGuard())
+    specs = tuple(sorted({spec for r in rows for spec in r.plan.drafter_specs}))
+    return _GUARDS.setdefault(model, {}).setdefault((bucket, specs), DraftGuard())
 
 
 @dataclass
@@ -150,6 +153,13 @@ class Plan:
     @property
     def needs_hidden(self) -> bool:
         return any(d.needs_hidden for d in self.drafters)
+
+    @functools.cached_property
+    def drafter_specs(self) -> tuple[str, ...]:
+        """Each drafter's settings as one string (``name`` + its fields as JSON): what tells
+        drafters apart for :func:`draft_guard`."""
+        return tuple(f"{d.name}{json.dumps(d.model_dump(mode='json'), sort_keys=True, default=str)}"
+                     for d in self.drafters)
 
     def check(self, model: Any) -> None:
         """Let every drafter refuse the model before any prefill work (clear ValueErrors)."""

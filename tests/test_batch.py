@@ -220,11 +220,14 @@ def test_each_batch_size_keeps_its_guard_across_calls(monkeypatch):
     ref = [_alone(model, p, [], 12, eos_token_id=[]) for p in prompts]
     _batched(model, prompts, [PromptLookup()], 12, eos_token_id=[])
     guards = engine._GUARDS[model]
-    assert (4, ("PromptLookup",)) in guards  # 3 rows: the batches of 3-4
-    guards[(4, ("PromptLookup",))].muted = 10_000  # this batch size learned that drafting does not pay
+    (key,) = [k for k in guards if k[0] == 4]  # 3 rows: the batches of 3-4, and the drafter's settings
+    assert len(key[1]) == 1 and key[1][0].startswith("prompt_lookup{")
+    guards[key].muted = 10_000  # this batch size learned that drafting does not pay
     rows, res = _batched(model, prompts, [PromptLookup()], 12, eos_token_id=[])
     assert rows == ref and res.stats.drafted_tokens == 0
-    guards.setdefault((1, ("PromptLookup",)), engine.DraftGuard()).muted = 0
+    other, res = _batched(model, prompts, [PromptLookup(num_tokens=7)], 12, eos_token_id=[])
+    assert other == ref and res.stats.drafted_tokens > 0  # other settings: a guard of their own
+    guards.setdefault((1, key[1]), engine.DraftGuard()).muted = 0
     one = accel.generate(model, prompts[0].unsqueeze(0), strategies=[PromptLookup()], max_new_tokens=12, eos_token_id=[])
     assert one.stats.drafted_tokens > 0  # a batch of one has its own guard
 
