@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 __all__ = ["CostTable", "DraftCost", "DraftGuard", "acceptance_gains", "allocate_drafts", "in_window", "packed_rows",
@@ -127,6 +127,23 @@ class CostTable:
             return "packed"
         return f"packed for {lo}-{hi if hi is not None else 'any'} tokens, {base} otherwise"
 
+    def run_with(self, transposed: bool, window: tuple[int, int | None] | None) -> "CostTable":
+        """This table for a model whose linear weights are column-major (``transposed``) or
+        not, and packed for the passes of ``window`` (None: never): ``ms`` rebuilt from
+        :attr:`kernel_ms` with the kernels that model runs. A model loaded by plain
+        transformers rather than :func:`accel.load_model` runs plain kernels whatever this
+        machine measured fastest, and its drafts must be sized by what its passes cost. The
+        table itself where it already describes those kernels, or lacks the measurements."""
+        layout = "transposed" if transposed else "plain"
+        if (layout, window) == (weight_layout(self.kernel_ms), self.packed_rows):
+            return self
+        needed = {layout} | ({"packed"} if window is not None else set())
+        if self.kernel_tokens != self.tokens or not needed <= set(self.kernel_ms):
+            return self
+        chosen = ["packed" if in_window(n, window) else layout for n in self.tokens]
+        ms = [[self.kernel_ms[chosen[t]][c][t] for t in range(len(self.tokens))] for c in range(len(self.cache_lens))]
+        return replace(self, ms=monotone(ms))
+
     # ------------------------------------------------------------------ JSON
 
     def to_dict(self) -> dict[str, Any]:
@@ -201,6 +218,17 @@ def packed_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple
     best = max(runs, key=lambda r: (r[1] - r[0], r[0]))  # the longest; on a tie the larger counts
     last = None if best[1] == len(kernel_tokens) - 1 else kernel_tokens[best[1]]
     return kernel_tokens[best[0]], last
+
+
+def monotone(ms: list[list[float]]) -> tuple[tuple[float, ...], ...]:
+    """Each point at least the one before it in tokens and in cache length: a pass with more
+    query tokens or more cached entries does a superset of the work, so a dip is noise (and
+    would read as a reason to draft more)."""
+    out = [list(row) for row in ms]
+    for c, row in enumerate(out):
+        for t in range(len(row)):
+            row[t] = max([row[t]] + ([row[t - 1]] if t else []) + ([out[c - 1][t]] if c else []))
+    return tuple(tuple(row) for row in out)
 
 
 def in_window(n: int, window: tuple[int, int | None] | None) -> bool:

@@ -45,8 +45,8 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "bf16_native", "is_prepacked", "is_transposed", "prepack", "prepack_available",
-           "transpose_weights", "unprepack", "untranspose_weights"]
+__all__ = ["PackedLinear", "bf16_native", "is_prepacked", "is_transposed", "packed_window", "prepack",
+           "prepack_available", "transpose_weights", "unprepack", "untranspose_weights"]
 
 _ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; 1-16 rows all run fast in it
 
@@ -228,6 +228,15 @@ def _check_rows(min_rows: int, max_rows: int | None) -> tuple[int, int | None]:
 def is_prepacked(model: nn.Module) -> bool:
     """Whether :func:`prepack` swapped any layer of ``model``."""
     return any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def packed_window(model: nn.Module) -> tuple[int, int | None] | None:
+    """The rows ``(fewest, most)`` for which ``model``'s packed layers run packed (most None:
+    no limit), or None for a model :func:`prepack` did not swap (or one packed nowhere)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinear) and m._packed is not None:
+            return m.min_rows, m.max_rows
+    return None
 
 
 def unprepack(model: nn.Module) -> nn.Module:

@@ -512,7 +512,8 @@ class Batch:
 
     max_draft: the most draft nodes a row may verify per step (None: up to
     ``MAX_DRAFT_PER_ROW``); within it :func:`draft_budgets` sizes each step's drafts from the
-    measured cost table (``costs``; default: :func:`accel.calibrate.cost_table` of the model).
+    measured cost table (``costs``; default: :func:`accel.calibrate.step_costs` of the model,
+    the table for the kernels it runs).
     """
 
     def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0,
@@ -573,7 +574,7 @@ class Batch:
         if not any(r.plan.drafters for r in self.rows):
             return [0] * len(self.rows)
         if self.costs is None:
-            self.costs = calibrate.cost_table(self.model)
+            self.costs = calibrate.step_costs(self.model)
         self.guard = draft_guard(self.model, self.rows) if self.costs.measured else None
         if self.guard is not None and not self.guard.allow():
             return [0] * len(self.rows)

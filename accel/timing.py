@@ -21,7 +21,7 @@ import torch
 
 from . import adapter
 from .cache import SharedCache
-from .cost_model import KERNELS, CostTable, in_window, packed_rows, weight_layout
+from .cost_model import KERNELS, CostTable, in_window, monotone, packed_rows, weight_layout
 from .cpu import (PackedLinear, is_prepacked, is_transposed, prepack, prepack_available, transpose_weights, unprepack,
                   untranspose_weights)
 
@@ -144,7 +144,7 @@ def measure(
     rounds so that all see the same machine load. The weight layout
     (:func:`accel.cost_model.weight_layout`) and the window where packed kernels beat it
     (:func:`accel.cost_model.packed_rows`) decide which kernels each token count runs with, and
-    the grid keeps those times, made non-decreasing in both axes (see :func:`_monotone`).
+    the grid keeps those times, made non-decreasing in both axes (see :func:`accel.cost_model.monotone`).
 
     Each point is the fastest of ``1 + repeats`` passes, the first after a warm-up: a busy
     machine only ever adds time to a pass, so the fastest is the least disturbed (with a median
@@ -182,20 +182,9 @@ def measure(
     window, layout = packed_rows(tokens, kernel_ms), weight_layout(kernel_ms)
     chosen = ["packed" if in_window(n, window) else layout for n in tokens]
     ms = [[kernel_ms[chosen[t]][c][t] for t in range(len(tokens))] for c in range(len(caches))]
-    return CostTable(tokens=tokens, cache_lens=cache_lens, ms=_monotone(ms), kernel_tokens=tokens,
+    return CostTable(tokens=tokens, cache_lens=cache_lens, ms=monotone(ms), kernel_tokens=tokens,
                      kernel_ms=kernel_ms, measured=True, seconds=round(time.perf_counter() - start, 2),
                      load=_max(load, _load_average()))
-
-
-def _monotone(ms: list[list[float]]) -> tuple[tuple[float, ...], ...]:
-    """Each point at least the one before it in tokens and in cache length: a pass with more
-    query tokens or more cached entries does a superset of the work, so a dip is noise (and
-    would read as a reason to draft more)."""
-    out = [list(row) for row in ms]
-    for c, row in enumerate(out):
-        for t in range(len(row)):
-            row[t] = max([row[t]] + ([row[t - 1]] if t else []) + ([out[c - 1][t]] if c else []))
-    return tuple(tuple(row) for row in out)
 
 
 def _fit_positions(model, cache_lens: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:

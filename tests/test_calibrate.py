@@ -224,6 +224,38 @@ def test_weight_layout_is_transposed_where_it_wins_on_the_geometric_mean():
     assert weight_layout({"plain": ((1.0,),)}) == "plain" and not static_table().transposed
 
 
+def test_a_table_is_read_for_the_kernels_the_model_runs():
+    """run_with rebuilds the grid from the kernel passes a model really runs: plain ones for a
+    model loaded by plain transformers, whatever the measurement chose."""
+    tokens = (1, 2, 8, 32)
+    grids = {"plain": ((10.0, 12.0, 20.0, 40.0),), "transposed": ((10.0, 14.0, 14.0, 26.0),),
+             "packed": ((8.0, 13.0, 15.0, 30.0),)}
+    chosen = table(tokens, [8.0, 13.0, 14.0, 26.0], kernel_tokens=tokens, kernel_ms=grids)
+    assert chosen.transposed and chosen.packed_rows == (1, 2)
+    assert chosen.run_with(True, (1, 2)) is chosen  # what load_model applies: the table itself
+    assert chosen.run_with(False, None).ms == grids["plain"]
+    assert chosen.run_with(True, None).ms == grids["transposed"]
+    assert chosen.run_with(False, (8, None)).ms == ((10.0, 12.0, 15.0, 30.0),)
+    assert chosen.run_with(False, (1, None)).ms == ((8.0, 13.0, 15.0, 30.0),)
+    no_packed = table(tokens, [1.0, 2.0, 3.0, 4.0], kernel_tokens=tokens, kernel_ms={"plain": grids["plain"]})
+    assert no_packed.run_with(False, (1, 2)) is no_packed  # not measured: nothing better to say
+    static = static_table()
+    assert static.run_with(True, None) is static  # no kernel passes: a shape, not milliseconds
+
+
+def test_step_costs_follow_the_weight_layout_the_model_has(monkeypatch):
+    from accel import cpu
+
+    tokens = (1, 2, 8, 32)
+    grids = {"plain": ((10.0, 12.0, 20.0, 40.0),), "transposed": ((10.0, 14.0, 14.0, 26.0),)}
+    chosen = table(tokens, [10.0, 14.0, 14.0, 26.0], kernel_tokens=tokens, kernel_ms=grids)
+    monkeypatch.setattr(calibrate, "cost_table", lambda model: chosen)
+    model = make_tiny_model()  # as plain transformers loads it: row-major weights
+    assert calibrate.step_costs(model).ms == grids["plain"]
+    cpu.transpose_weights(model)
+    assert calibrate.step_costs(model) is chosen
+
+
 # ---------------------------------------------------------------------------- keys and files
 
 
@@ -415,7 +447,7 @@ def test_cli_calibrate_prints_the_table_and_where_it_is_cached(calib_cache, monk
 
 
 def test_measured_grid_is_made_non_decreasing():
-    from accel.timing import _monotone
+    from accel.cost_model import monotone as _monotone
 
     assert _monotone([[5.0, 4.0, 6.0], [3.0, 7.0, 6.5]]) == ((5.0, 5.0, 6.0), (5.0, 7.0, 7.0))
 
