@@ -157,9 +157,9 @@ class Plan:
     @functools.cached_property
     def drafter_specs(self) -> tuple[str, ...]:
         """Each drafter's settings as one string (``name`` + its fields as JSON): what tells
-        drafters apart for :func:`draft_guard`."""
-        return tuple(f"{d.name}{json.dumps(d.model_dump(mode='json'), sort_keys=True, default=str)}"
-                     for d in self.drafters)
+        drafters apart for :func:`draft_guard`. A drafter whose fields have no JSON form
+        (a tensor, say) is told apart by identity, as :func:`_same_drafter` does."""
+        return tuple(_spec_string(d) for d in self.drafters)
 
     def check(self, model: Any) -> None:
         """Let every drafter refuse the model before any prefill work (clear ValueErrors)."""
@@ -659,6 +659,13 @@ class Batch:
         for row in done:
             self.retire(row)
         return done
+
+
+def _spec_string(drafter: Drafter) -> str:
+    try:
+        return f"{drafter.name}{json.dumps(drafter.model_dump(mode='json'), sort_keys=True)}"
+    except (ValueError, TypeError):  # pydantic's serialization error is a ValueError
+        return f"{drafter.name}<{type(drafter).__qualname__} at {id(drafter):#x}>"
 
 
 def _same_drafter(a: Any, b: Any) -> bool:

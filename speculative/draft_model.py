@@ -181,8 +181,9 @@ class _Rows:
         self.cache.row_capacity = 16
         self.members: list[_State] = []
 
-    def row(self, state: _State) -> int:
-        return next(i for i, s in enumerate(self.members) if s is state)
+    def row(self, state: _State) -> int | None:
+        """``state``'s row in the cache, or None if it has none here."""
+        return next((i for i, s in enumerate(self.members) if s is state), None)
 
     def join(self, states: list[_State], cache: SharedCache) -> None:
         """Add the rows of ``cache`` (nothing uncommitted), row b being ``states[b]``'s."""
@@ -201,11 +202,10 @@ class _Rows:
             state.rows = self
         self.members += other.members
         other.members = []
-        other.cache = SharedCache(self.cache.num_layers, self.cache.windows)
 
     def leave(self, state: _State) -> None:
         """Remove ``state``'s row (if it has one here)."""
-        i = next((i for i, s in enumerate(self.members) if s is state), None)
+        i = self.row(state)
         if i is None:
             return
         self.cache.remove(i)

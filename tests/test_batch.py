@@ -232,6 +232,27 @@ def test_each_batch_size_keeps_its_guard_across_calls(monkeypatch):
     assert one.stats.drafted_tokens > 0  # a batch of one has its own guard
 
 
+def test_guards_tell_drafters_apart_even_without_a_json_form():
+    """A drafter field with no JSON form (a tensor) must not break the guard's key: such a
+    drafter is told apart by identity, equal settings share one key."""
+    from pydantic import ConfigDict
+
+    from accel.engine import plan_strategies
+
+    class Tensorial(accel.Drafter):
+        model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+        name = "tensorial_test"
+        bias: torch.Tensor
+
+        def propose(self, state, ctx):
+            return None
+
+    a, b = Tensorial(bias=torch.ones(2)), Tensorial(bias=torch.ones(2))
+    (sa,), (sb,) = plan_strategies([a]).drafter_specs, plan_strategies([b]).drafter_specs
+    assert sa.startswith("tensorial_test<") and sa != sb
+    assert plan_strategies([PromptLookup()]).drafter_specs == plan_strategies([PromptLookup()]).drafter_specs
+
+
 def test_drafters_whose_settings_cannot_be_compared_draft_row_by_row():
     """Rows are grouped by equal drafters; a field without a truth value (a tensor) must not
     break the grouping: such rows draft alone, and stay exact."""
