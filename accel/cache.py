@@ -248,6 +248,33 @@ class SharedCache(TransformersCache):
         self.logical_lengths = list(self._prefill.lengths)
         self._prefill = None
 
+    def load_prefixes(self, prefixes: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], int] | None]
+                      ) -> None:
+        """Start an empty cache with one row per item: ``(keys, values, n)`` gives the row the
+        first n entries of per-layer keys and values ``[H_kv, >= n, D]`` (a prompt prefix
+        computed before) and logical length n; None gives an empty row. The rest of each
+        prompt then runs as a forward on top (:func:`accel.engine.prefill_rest`). Full
+        attention only: a sliding-window layer keeps only its window of a prompt."""
+        if self.batch_size or self._prefill is not None:
+            raise RuntimeError("load_prefixes() on a cache that already holds rows")
+        if any(w is not None for w in self.windows):
+            raise ValueError("load_prefixes() on a cache with sliding windows")
+        lengths = [p[2] if p is not None else 0 for p in prefixes]
+        for item in prefixes:
+            if item is not None and (len(item[0]) != self.num_layers or len(item[1]) != self.num_layers):
+                raise ValueError(f"a prefix has {len(item[0])} layers of keys, the cache {self.num_layers}")
+        like = next((p for p in prefixes if p is not None and p[2]), None)
+        for layer in range(self.num_layers):
+            if like is not None:
+                self._reserve(layer, len(prefixes), max(lengths), like[0][layer].unsqueeze(0))
+                for row, item in enumerate(prefixes):
+                    if item is not None and item[2]:
+                        keys, values, n = item
+                        self._k[layer][row, :, :n] = keys[layer][:, :n]
+                        self._v[layer][row, :, :n] = values[layer][:, :n]
+            self._len[layer] = list(lengths)
+        self.logical_lengths = list(lengths)
+
     def _store_prompt(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         prefill = self._prefill
         window = self.windows[layer]

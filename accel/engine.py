@@ -24,11 +24,12 @@ import torch
 from . import adapter, calibrate, invariance
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
+from .prefix import PrefixStore
 from .cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, round_up
 from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
-__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "draft_rows", "verify", "verify_logits", "accept", "commit",
+__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "prefill_rest", "forward_tokens", "draft_rows", "verify", "verify_logits", "accept", "commit",
            "decode", "draft_budgets", "draft_guard", "batch_steps", "run_batch"]
 
 # No fixed draft limit by default: the measured cost table sizes each step's drafts.
@@ -88,6 +89,7 @@ class Stats:
     """
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose entries came from an earlier prompt (accel.prefix)
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -117,7 +119,7 @@ class Stats:
     def kv_compression(self) -> float:
         return self.kv_bytes_full / self.kv_bytes_kept if self.kv_bytes_kept else 1.0
 
-    _SUMMED = ("prompt_tokens", "new_tokens", "prefill_s", "decode_s", "verify_steps", "drafted_tokens",
+    _SUMMED = ("prompt_tokens", "cached_prompt_tokens", "new_tokens", "prefill_s", "decode_s", "verify_steps", "drafted_tokens",
                "accepted_tokens", "decode_tokens", "kv_bytes_full", "kv_bytes_kept")
 
     def merge(self, other: "Stats", seconds: bool = True) -> None:
@@ -369,12 +371,51 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
             positions[b, :m] = tree.depth + logical[b]
             positions[b, m:] = logical[b]
             visible[b, :m, :m] = tree.ancestor_mask
+    hidden = forward_tokens(model, cache, ids, positions, visible, dtype, groups)
+    return hidden[0, : trees[0].num_nodes] if single else hidden
+
+
+def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torch.Tensor,
+                   visible: torch.Tensor | None, dtype: torch.dtype, groups: int | None = None) -> torch.Tensor:
+    """One forward of T new tokens per row on top of the cache (left uncommitted).
+
+    ids, positions: LongTensor [B, T]; visible: BoolTensor [B, T, T], True where new token
+    i sees new token j (None for T == 1). Returns final hidden states [B, T, H].
+    """
     groups = groups if groups is not None else adapter.query_groups(model)
     mask = cache.prepare_step(positions, visible, dtype, groups)
     hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
     with hook:
-        hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
-    return hidden[0, : trees[0].num_nodes] if single else hidden
+        return adapter.backbone_forward(model, ids, positions, cache, mask)
+
+
+def prefill_rest(model, cache: SharedCache, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
+                 groups: int | None = None) -> torch.Tensor:
+    """Prefill each row's prompt past the entries its row already holds (a reused prefix,
+    :meth:`SharedCache.load_prefixes`): one forward of every row's remaining tokens
+    (right-padded; padding sees only itself and is dropped), committed.
+
+    prompts: per row a LongTensor [n_b], longer than the row's logical length.
+    Returns the final hidden state at each row's last prompt position, [B, H].
+    """
+    starts = list(cache.logical_lengths)
+    rest = [int(p.numel()) - s for p, s in zip(prompts, starts)]
+    if len(prompts) != cache.batch_size or min(rest) < 1:
+        raise ValueError(f"prefill_rest() needs one prompt per row, each longer than the row ({starts})")
+    device = prompts[0].device
+    bsz, t = len(prompts), max(rest)
+    ids = torch.zeros((bsz, t), dtype=torch.long, device=device)
+    positions = torch.empty((bsz, t), dtype=torch.long, device=device)
+    steps = torch.arange(t, device=device)
+    visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
+    causal = torch.ones((t, t), dtype=torch.bool, device=device).tril()
+    for b, (prompt, start, m) in enumerate(zip(prompts, starts, rest)):
+        ids[b, :m] = prompt[start:]
+        positions[b] = start + steps.clamp(max=m - 1)
+        visible[b, :m, :m] = causal[:m, :m]
+    hidden = forward_tokens(model, cache, ids, positions, visible if t > 1 else None, dtype, groups)
+    cache.commit([list(range(m)) for m in rest])
+    return hidden[torch.arange(bsz, device=device), torch.tensor(rest, device=device) - 1]
 
 
 def verify_logits(model, cache: SharedCache, trees: Sequence[DraftTree], dtype: torch.dtype,
@@ -514,11 +555,15 @@ class Batch:
     ``MAX_DRAFT_PER_ROW``); within it :func:`draft_budgets` sizes each step's drafts from the
     measured cost table (``costs``; default: :func:`accel.calibrate.step_costs` of the model,
     the table for the kernels it runs).
+    prefixes: where admitted prompts' entries are kept and looked up, so that a prompt that
+        starts like an earlier one is prefilled only past the shared part (see
+        :mod:`accel.prefix`; the Engine keeps one); None: every prompt is prefilled whole.
     """
 
     def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0,
-                 costs: CostTable | None = None):
+                 costs: CostTable | None = None, prefixes: PrefixStore | None = None):
         self.model = model
+        self.prefixes = prefixes
         self.costs = costs
         self.geo = adapter.geometry(model)
         self.groups = self.geo.num_heads // self.geo.num_kv_heads
@@ -545,12 +590,36 @@ class Batch:
         return len(self.rows)
 
     def admit(self, rows: list[Row]) -> None:
-        """Prefill ``rows`` together, emit each one's first token and add them to the batch."""
+        """Prefill ``rows`` together, emit each one's first token and add them to the batch.
+
+        With a prefix store, rows whose prompt starts like a stored one load those entries
+        and run only the rest of their prompt; when any row does, every row that may reuse
+        prefixes runs that way (one forward), the others (prompt compression) in a plain
+        prefill of their own.
+        """
         if not rows:
             return
         t0 = time.perf_counter()
-        fresh = SharedCache(self.geo.num_layers, self.windows)
-        hidden = prefill(self.model, fresh, [r.prompt for r in rows], [r.plan.compressor for r in rows])
+        reusable = [self._reuses(r) for r in rows]
+        matches = [self.prefixes.match(r.prompt) if ok else None for r, ok in zip(rows, reusable)]
+        if not any(matches):
+            reusable = [False] * len(rows)
+        whole = [r for r, ok in zip(rows, reusable) if not ok]
+        rest = [(r, m) for r, ok, m in zip(rows, reusable, matches) if ok]
+        parts: list[tuple[list[Row], SharedCache, torch.Tensor]] = []
+        if whole:
+            fresh = SharedCache(self.geo.num_layers, self.windows)
+            hidden = prefill(self.model, fresh, [r.prompt for r in whole], [r.plan.compressor for r in whole])
+            parts.append((whole, fresh, hidden))
+        if rest:
+            fresh = SharedCache(self.geo.num_layers, self.windows)
+            fresh.load_prefixes([(m.keys, m.values, m.length) if m is not None else None for _, m in rest])
+            hidden = prefill_rest(self.model, fresh, [r.prompt for r, _ in rest], self.geo.dtype, self.groups)
+            for r, m in rest:
+                r.stats.cached_prompt_tokens = m.length if m is not None else 0
+            parts.append(([r for r, _ in rest], fresh, hidden))
+        rows = [r for part, _, _ in parts for r in part]
+        hidden = torch.cat([h for _, _, h in parts]) if len(parts) > 1 else parts[0][2]
         logits = adapter.output_logits(self.model, hidden)  # [B, V]
         top = logits.argmax(dim=-1).tolist()
         root = DraftTree.root_only(-1, device=hidden.device)
@@ -565,8 +634,18 @@ class Batch:
             row.emit([acc.next_token])
         for row, states in zip(rows, start_rows(self.model, [r.plan for r in rows], [r.prompt for r in rows])):
             row.states = states
-        self.cache.extend(fresh)
+        for part, fresh, _ in parts:
+            if self.prefixes is not None:
+                for b, row in enumerate(part):
+                    if self._reuses(row):
+                        self.prefixes.add(row.prompt, fresh, b)
+            self.cache.extend(fresh)
         self.rows.extend(rows)
+
+    def _reuses(self, row: Row) -> bool:
+        """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.prefix`)."""
+        return (self.prefixes is not None and self.exact and row.plan.compressor is None
+                and all(w is None for w in self.windows))
 
     def budgets(self) -> list[int]:
         """Draft nodes each live row may propose this step (see :func:`draft_budgets`)."""

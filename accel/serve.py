@@ -337,6 +337,10 @@ _ENGINE_METRICS = {
     "accepted_tokens": ("accel_accepted_draft_tokens_total", "counter", "Draft tokens accepted (bonus tokens excluded)."),
     "batch_rows_stepped": ("accel_batch_rows_stepped_total", "counter", "Rows summed over verify steps."),
     "max_batch": ("accel_max_batch", "gauge", "Rows the engine decodes together at most."),
+    "prefix_hits": ("accel_prefix_hits_total", "counter", "Prompts that reused an earlier prompt's entries."),
+    "prefix_tokens_reused": ("accel_prefix_tokens_reused_total", "counter",
+                             "Prompt tokens not prefilled: their entries came from an earlier prompt."),
+    "prefix_cache_bytes": ("accel_prefix_cache_bytes", "gauge", "Bytes of prompt entries kept for reuse."),
 }
 
 
@@ -743,10 +747,11 @@ async def _complete(srv: _Server, request: Request, cls: type[_Sampling]) -> Res
         srv.release(job, handle)
 
 
-def _usage(job: _Job, outcome: _Outcome) -> dict[str, int]:
+def _usage(job: _Job, outcome: _Outcome) -> dict[str, Any]:
     n = len(job.prompt)
+    cached = int(getattr(outcome.stats, "cached_prompt_tokens", 0) or 0)
     return {"prompt_tokens": n, "completion_tokens": outcome.completion_tokens,
-            "total_tokens": n + outcome.completion_tokens}
+            "total_tokens": n + outcome.completion_tokens, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def _head(srv: _Server, job: _Job) -> dict[str, Any]:
@@ -828,6 +833,8 @@ def run_cli(args: Any) -> int:
     max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     if max_tokens <= 0:
         raise ValueError(f"--max-tokens must be > 0, got {max_tokens}")
+    if not 0 <= args.prefix_cache_mb < float("inf"):
+        raise ValueError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if tokenizer is None:
         log.warning("%s has no tokenizer: only /v1/completions with token ids will work", args.model)
@@ -837,7 +844,8 @@ def run_cli(args: Any) -> int:
     name = args.model_name or _served_name(args.model)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication", args.host)
-    with accel.Engine(model, strategies=strategies, max_batch=args.max_batch, tokenizer=tokenizer) as engine:
+    with accel.Engine(model, strategies=strategies, max_batch=args.max_batch, tokenizer=tokenizer,
+                      prefix_cache_mb=args.prefix_cache_mb) as engine:
         app = create_app(engine, tokenizer, model_id=name, context_length=context,
                          vocab_size=getattr(model.config, "vocab_size", None),
                          aliases=tuple({"default", args.model} - {name}), default_max_tokens=max_tokens)

@@ -26,8 +26,13 @@ import torch
 from . import adapter
 from .api import _as_rows, check_sampling, make_rows
 from .engine import DEFAULT_MAX_DRAFT, Batch, Plan, Row, Stats, plan_strategies
+from .prefix import PrefixStore
 from .strategy import Strategy, build_strategies
 from .text import TextStream
+
+#: MiB of prompt entries an Engine keeps for reuse by default (about 1,400 prompt tokens of
+#: the default model, 1,150 of Qwen2.5-Coder-1.5B).
+DEFAULT_PREFIX_CACHE_MB = 64
 
 __all__ = ["Engine", "RequestHandle", "Delta", "RequestResult"]
 
@@ -119,21 +124,29 @@ class Engine:
         max_draft_tokens: the most draft nodes a row verifies per step (None: sized to the
             cache and the batch).
         eos_token_id: default stop token(s); default the model's generation config.
+        prefix_cache_mb: MiB of recent prompts' KV entries kept, so that a prompt that starts
+            like an earlier one (the chat template's system turn, the previous turn of a
+            conversation, a retry) is prefilled only past the shared tokens (see
+            :mod:`accel.prefix`; float32 models, rows without prompt compression); 0: off.
     """
 
     def __init__(self, model: Any, strategies: Sequence[Strategy | str | dict] | None = (), *, max_batch: int = 8,
                  tokenizer: Any = None, max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
-                 eos_token_id: int | list[int] | None = None):
+                 eos_token_id: int | list[int] | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
         adapter.check_causal_lm(model)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or not (
+                0 <= prefix_cache_mb < float("inf")):
+            raise ValueError(f"prefix_cache_mb must be a number >= 0, got {prefix_cache_mb!r}")
+        self.prefixes = PrefixStore(int(prefix_cache_mb * 2**20)) if prefix_cache_mb else None
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch = max_batch
         self.plan = self._plan(strategies)
         self.eos = adapter.default_eos(model, tokenizer) if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        self._batch = Batch(model, max_draft=max_draft_tokens, row_capacity=max_batch)
+        self._batch = Batch(model, max_draft=max_draft_tokens, row_capacity=max_batch, prefixes=self.prefixes)
         self._waiting: "queue.Queue[RequestHandle]" = queue.Queue()
         self._live: list[RequestHandle] = []
         self._ids = itertools.count()
@@ -202,6 +215,9 @@ class Engine:
             batch_occupancy=c["batch_rows_stepped"] / (steps * self.max_batch) if steps else 0.0,
             kv_bytes=self._batch.cache.kept_bytes(),
             max_batch=self.max_batch,
+            prefix_hits=self.prefixes.hits if self.prefixes is not None else 0,
+            prefix_tokens_reused=self.prefixes.reused_tokens if self.prefixes is not None else 0,
+            prefix_cache_bytes=self.prefixes.nbytes if self.prefixes is not None else 0,
         )
         return c
 
@@ -230,8 +246,10 @@ class Engine:
                         self._finish(h, "error", error=message)
                     with self._lock:
                         self._live.clear()
+                    if self.prefixes is not None:  # entries of the failed step's prompts are not trusted
+                        self.prefixes.clear()
                     self._batch = Batch(self.model, max_draft=self._batch.max_draft, row_capacity=self.max_batch,
-                                        costs=self._batch.costs)
+                                        costs=self._batch.costs, prefixes=self.prefixes)
         finally:
             for h in self._live + self._drain():
                 self._finish(h, "cancelled")

@@ -124,6 +124,17 @@ def test_chat_non_streaming_equals_generate(server, client):
     assert stats["kv_bytes_kept"] > 0 and stats["kv_bytes_full"] >= stats["kv_bytes_kept"]
 
 
+def test_a_repeated_prompt_reuses_its_entries_and_gets_the_same_answer(server, client):
+    content = "hello world " * 6
+    text, n, prompt_tokens = chat_reference(server, content, 12)
+    assert prompt_tokens > 8  # long enough to be kept (PrefixStore.min_tokens)
+    for _ in range(2):
+        out = client.chat.completions.create(model=MODEL_ID, messages=[{"role": "user", "content": content}],
+                                             max_tokens=12, temperature=0)
+        assert out.choices[0].message.content == text
+    assert out.usage.prompt_tokens_details.cached_tokens == prompt_tokens - 1  # all but the last prompt token
+
+
 def test_chat_streaming_equals_generate(server, client):
     text, n, prompt_tokens = chat_reference(server, "what is the sun", 24)
     stream = client.chat.completions.create(
