@@ -154,7 +154,7 @@ class Engine:
         self._wake = threading.Event()
         self._closed = threading.Event()
         self._counters = dict(requests_total=0, tokens_generated=0, verify_steps=0, accepted_tokens=0,
-                              batch_rows_stepped=0)
+                              batch_rows_stepped=0, prefills=0, prefill_seconds=0.0, step_seconds=0.0)
         self._thread = threading.Thread(target=self._loop, name="accel-engine", daemon=True)
         self._thread.start()
 
@@ -265,8 +265,10 @@ class Engine:
                         self._wake.wait(0.05)
                         self._wake.clear()
                     continue
+                t0 = time.perf_counter()
                 with torch.inference_mode():
                     new = self._batch.step()
+                self._count("step_seconds", time.perf_counter() - t0)
                 self._deliver(list(zip(self._batch.rows, new)))
 
     def _drain(self) -> list[RequestHandle]:
@@ -296,9 +298,12 @@ class Engine:
             new.append(h)
         if not new:
             return False
+        t0 = time.perf_counter()
         try:
             with torch.inference_mode():
                 self._batch.admit([h.row for h in new])
+            self._count("prefill_seconds", time.perf_counter() - t0)
+            self._count("prefills", 1)
         except Exception as err:  # the prefill of these requests failed; the running batch is untouched
             for h in new:
                 self._finish(h, "error", error=f"{type(err).__name__}: {err}")
@@ -307,6 +312,10 @@ class Engine:
             self._live.extend(new)
         self._deliver([(h.row, list(h.row.generated)) for h in new], count_step=False)
         return True
+
+    def _count(self, name: str, amount: float) -> None:
+        with self._lock:
+            self._counters[name] += amount
 
     def _deliver(self, pairs: list[tuple[Row, list[int]]], count_step: bool = True) -> None:
         accepted = 0

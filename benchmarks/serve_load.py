@@ -126,7 +126,10 @@ async def one_request(http: httpx.AsyncClient, args: argparse.Namespace, model: 
 
 async def client_loop(http, args, model, index: int, samples: list[Sample]) -> None:
     for i in range(args.requests):
-        prompt = args.prompts[(index * args.requests + i) % len(args.prompts)]
+        n = index * args.requests + i
+        prompt = args.prompts[n % len(args.prompts)]
+        if args.distinct:  # no two requests alike: they share only the chat template's system turn
+            prompt = f"(request {n}) {prompt}"
         try:
             samples.append(await one_request(http, args, model, prompt))
         except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
@@ -188,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="per-request strategies (the 'accel' field), e.g. prompt_lookup:num_tokens=8")
     p.add_argument("--model", default=None, help="model id to send (default: the server's first)")
     p.add_argument("--prompts", type=Path, default=None, help="prompt file, one a line (default: built-in)")
+    p.add_argument("--distinct", action="store_true", help="number every request's prompt, so that no two are "
+                   "the same (the built-in prompts repeat after 8 requests)")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", type=Path, default=None, help="write the summary and every sample here")
