@@ -162,6 +162,7 @@ def test_engine_reuses_prefixes_and_every_request_gets_its_alone_tokens(model):
     assert sampled.stats.cached_prompt_tokens >= 20
     assert m["prefix_hits"] == 5 and m["prefix_tokens_reused"] == sum(cached) + sampled.stats.cached_prompt_tokens
     assert 0 < m["prefix_cache_bytes"] <= 64 * 2**20
+    assert m["prefills"] >= 3 and m["prefill_seconds"] > 0 and m["step_seconds"] > 0
 
 
 @pytest.mark.filterwarnings("ignore:accel. .* verification of .* is approximate:RuntimeWarning")
