@@ -193,9 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
-    s.add_argument("--prefix-cache-mb", type=float, default=64, help="MiB of recent prompts' KV entries kept so "
+    s.add_argument("--prefix-cache-mb", type=float, default=None, help="MiB of recent prompts' KV entries kept so "
                    "that a prompt starting like an earlier one is prefilled only past the shared tokens "
-                   "(float32; default 64, 0: off)")
+                   "(float32; default 256, 0: off)")
     s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     s.add_argument("--max-tokens", type=int, default=None, help="max_tokens of requests that give none (default 256)")
     s.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists "

@@ -836,8 +836,11 @@ def run_cli(args: Any) -> int:
     max_tokens = DEFAULT_MAX_TOKENS if args.max_tokens is None else args.max_tokens
     if max_tokens <= 0:
         raise ValueError(f"--max-tokens must be > 0, got {max_tokens}")
-    if not 0 <= args.prefix_cache_mb < float("inf"):
-        raise ValueError(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    from .service import DEFAULT_PREFIX_CACHE_MB
+
+    prefix_mb = DEFAULT_PREFIX_CACHE_MB if getattr(args, "prefix_cache_mb", None) is None else args.prefix_cache_mb
+    if not 0 <= prefix_mb < float("inf"):
+        raise ValueError(f"--prefix-cache-mb must be >= 0, got {prefix_mb}")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
     if tokenizer is None:
         log.warning("%s has no tokenizer: only /v1/completions with token ids will work", args.model)
@@ -848,7 +851,7 @@ def run_cli(args: Any) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication", args.host)
     with accel.Engine(model, strategies=strategies, max_batch=args.max_batch, tokenizer=tokenizer,
-                      prefix_cache_mb=args.prefix_cache_mb) as engine:
+                      prefix_cache_mb=prefix_mb) as engine:
         app = create_app(engine, tokenizer, model_id=name, context_length=context,
                          vocab_size=getattr(model.config, "vocab_size", None),
                          aliases=tuple({"default", args.model} - {name}), default_max_tokens=max_tokens)

@@ -130,6 +130,8 @@ async def client_loop(http, args, model, index: int, samples: list[Sample]) -> N
         prompt = args.prompts[n % len(args.prompts)]
         if args.distinct:  # no two requests alike: they share only the chat template's system turn
             prompt = f"(request {n}) {prompt}"
+        if args.prefix_text:  # a document every request asks about (retrieval-augmented requests)
+            prompt = f"{args.prefix_text}\n\n{prompt}"
         try:
             samples.append(await one_request(http, args, model, prompt))
         except (httpx.HTTPError, json.JSONDecodeError, KeyError) as err:
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=Path, default=None, help="prompt file, one a line (default: built-in)")
     p.add_argument("--distinct", action="store_true", help="number every request's prompt, so that no two are "
                    "the same (the built-in prompts repeat after 8 requests)")
+    p.add_argument("--prefix-file", type=Path, default=None, help="a text put before every prompt, as a document "
+                   "each request asks about")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds per request")
     p.add_argument("--deadline", type=float, default=600.0, help="seconds for the whole run")
     p.add_argument("--json", type=Path, default=None, help="write the summary and every sample here")
@@ -209,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.prompts else PROMPTS
     if not args.prompts:
         p.error("the prompt file holds no prompts")
+    args.prefix_text = args.prefix_file.read_text().strip() if args.prefix_file else ""
 
     summary = asyncio.run(run(args))
     print(f"{summary['completed']} completed, {summary['failed']} failed, {summary['truncated']} truncated "

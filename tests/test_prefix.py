@@ -11,6 +11,7 @@ from accel import adapter
 from accel.cache import SharedCache
 from accel.engine import prefill, prefill_rest
 from accel.prefix import PrefixStore
+from accel.service import DEFAULT_PREFIX_CACHE_MB
 from helpers import TINY_VOCAB, make_tiny_model
 from snapkv import SnapKV
 from speculative import PromptLookup
@@ -161,7 +162,7 @@ def test_engine_reuses_prefixes_and_every_request_gets_its_alone_tokens(model):
     assert cached[4] == 0  # compressed: never reuses
     assert sampled.stats.cached_prompt_tokens >= 20
     assert m["prefix_hits"] == 5 and m["prefix_tokens_reused"] == sum(cached) + sampled.stats.cached_prompt_tokens
-    assert 0 < m["prefix_cache_bytes"] <= 64 * 2**20
+    assert 0 < m["prefix_cache_bytes"] <= DEFAULT_PREFIX_CACHE_MB * 2**20
     assert m["prefills"] >= 3 and m["prefill_seconds"] > 0 and m["step_seconds"] > 0
 
 
