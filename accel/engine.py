@@ -24,7 +24,7 @@ import torch
 from . import adapter, calibrate, invariance
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
-from .prefix import PrefixStore
+from .prefix import PrefixStore, shared_prefix
 from .cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, round_up
 from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
@@ -37,6 +37,11 @@ DEFAULT_MAX_DRAFT: int | None = None
 
 Warp = Callable[[torch.Tensor], torch.Tensor]
 
+
+#: Admitted prompts sharing at least this many tokens (and no stored prefix as long) have the
+#: shared part prefilled once for all of them (Batch._share_within): below it, the extra
+#: forward's weight reads cost about what the shared tokens would.
+SHARED_PREFIX_MIN = 32
 
 #: The most draft nodes one row verifies per step when the caller sets no limit; the cost
 #: table decides how many of them are worth it.
@@ -601,6 +606,7 @@ class Batch:
             return
         t0 = time.perf_counter()
         reusable = [self._reuses(r) for r in rows]
+        self._share_within([r for r, ok in zip(rows, reusable) if ok])
         matches = [self.prefixes.match(r.prompt) if ok else None for r, ok in zip(rows, reusable)]
         if not any(matches):
             reusable = [False] * len(rows)
@@ -641,6 +647,20 @@ class Batch:
                         self.prefixes.add(row.prompt, fresh, b)
             self.cache.extend(fresh)
         self.rows.extend(rows)
+
+    def _share_within(self, rows: list[Row]) -> None:
+        """When admitted prompts share a prefix of at least :data:`SHARED_PREFIX_MIN` tokens
+        that the store does not hold (a burst of requests about one new document), prefill
+        it once, alone, and store it, so that each of them then runs only its own rest."""
+        prompts = [r.prompt for r in rows]
+        i, length = shared_prefix(prompts)
+        if (length < SHARED_PREFIX_MIN or self.prefixes.longest(prompts[i][: length + 1]) >= length
+                or self.geo.entry_bytes() * length > self.prefixes.max_bytes):
+            return
+        fresh = SharedCache(self.geo.num_layers, self.windows)
+        part = prompts[i][:length]
+        prefill(self.model, fresh, [part])
+        self.prefixes.add(part, fresh, 0)
 
     def _reuses(self, row: Row) -> bool:
         """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.prefix`)."""

@@ -27,7 +27,27 @@ import torch
 
 from .cache import SharedCache
 
-__all__ = ["PrefixStore", "PrefixMatch"]
+__all__ = ["PrefixStore", "PrefixMatch", "common_prefix", "shared_prefix"]
+
+
+def common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many first tokens the 1-D LongTensors ``a`` and ``b`` have in common."""
+    m = min(int(a.numel()), int(b.numel()))
+    same = a[:m] == b[:m]
+    return m if bool(same.all()) else int((~same).nonzero()[0])
+
+
+def shared_prefix(prompts: list[torch.Tensor]) -> tuple[int, int]:
+    """The longest prefix two of ``prompts`` share, short of either one's last token:
+    (index of one of the two, its length); (-1, 0) for fewer than two prompts."""
+    best = (-1, 0)
+    for i in range(len(prompts)):
+        for j in range(i + 1, len(prompts)):
+            cap = min(int(prompts[i].numel()), int(prompts[j].numel())) - 1
+            length = min(cap, common_prefix(prompts[i], prompts[j]))
+            if length > best[1]:
+                best = (i, length)
+    return best
 
 
 @dataclass(eq=False)
@@ -80,23 +100,30 @@ class PrefixStore:
         """The longest stored prefix of ``prompt`` (LongTensor [n]), at most n - 1 tokens (the
         last prompt token is always run: its output gives the first new token), or None when
         none reaches ``min_tokens``. A match counts as a use (most recent)."""
+        key, length = self._find(prompt)
+        if key is None:
+            return None
+        self._entries.move_to_end(key)
+        entry = self._entries[key]
+        self.hits += 1
+        self.reused_tokens += length
+        return PrefixMatch(length, entry.keys, entry.values)
+
+    def longest(self, prompt: torch.Tensor) -> int:
+        """How many tokens :meth:`match` would reuse for ``prompt`` (0: none); not a use."""
+        return self._find(prompt)[1]
+
+    def _find(self, prompt: torch.Tensor) -> tuple[int | None, int]:
         n = int(prompt.numel())
         best, best_len = None, 0
         for key, entry in reversed(self._entries.items()):  # the most recent first wins ties
             m = min(n - 1, int(entry.tokens.numel()))
             if m < max(self.min_tokens, best_len + 1):
                 continue
-            same = entry.tokens[:m] == prompt[:m]
-            length = m if bool(same.all()) else int((~same).nonzero()[0])
+            length = common_prefix(entry.tokens[:m], prompt[:m])
             if length > best_len:
                 best, best_len = key, length
-        if best is None or best_len < self.min_tokens:
-            return None
-        self._entries.move_to_end(best)
-        entry = self._entries[best]
-        self.hits += 1
-        self.reused_tokens += best_len
-        return PrefixMatch(best_len, entry.keys, entry.values)
+        return (best, best_len) if best is not None and best_len >= self.min_tokens else (None, 0)
 
     def add(self, prompt: torch.Tensor, cache: SharedCache, row: int) -> None:
         """Keep (a copy of) row ``row``'s entries of ``prompt`` [n]: the row must hold exactly

@@ -180,3 +180,32 @@ def test_engine_without_prefix_reuse_and_in_low_precision_prefills_whole(model):
     for bad in (-1, float("nan"), "64", True):
         with pytest.raises(ValueError, match="prefix_cache_mb"):
             accel.Engine(model, prefix_cache_mb=bad)
+
+
+def test_prompts_admitted_together_share_their_common_prefix_computed_once(model):
+    from accel.api import make_rows
+    from accel.engine import SHARED_PREFIX_MIN, Batch, plan_strategies
+
+    document = torch.randint(2, TINY_VOCAB, (SHARED_PREFIX_MIN + 8,), generator=torch.Generator().manual_seed(50))
+    prompts = [torch.cat([document, torch.tensor([3 + i, 4, 5 + i])]) for i in range(3)]
+    prompts.append(_prompt(51, 4))  # shares nothing with them
+    rows = make_rows(model, prompts, plan_strategies([]), max_new_tokens=8, temperature=0.0, top_k=None,
+                     top_p=None, eos=[], seed=None)
+    store = PrefixStore(2**30)
+    batch = Batch(model, prefixes=store)
+    with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
+        batch.admit(rows)
+        while batch.rows:
+            batch.step()
+            batch.retire_done()
+    assert [r.generated for r in rows] == [_alone(model, p, 8) for p in prompts]
+    assert [r.stats.cached_prompt_tokens for r in rows] == [document.numel()] * 3 + [0]
+    assert store.hits == 3
+
+    few = make_rows(model, [_prompt(52, 5), _prompt(53, 6)], plan_strategies([]), max_new_tokens=2, temperature=0.0,
+                    top_k=None, top_p=None, eos=[], seed=None)
+    cold = PrefixStore(2**30)
+    batch = Batch(model, prefixes=cold)
+    with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
+        batch.admit(few)  # 20 shared tokens: below SHARED_PREFIX_MIN, each prefills whole
+    assert cold.hits == 0 and [r.stats.cached_prompt_tokens for r in few] == [0, 0]
