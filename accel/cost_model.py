@@ -445,6 +445,19 @@ class DraftGuard:
 # ---------------------------------------------------------------------------- helpers
 
 
+def sharing_pays(table: CostTable, rows: int, shared: int, longest: int) -> bool:
+    """Whether ``rows`` prompts of at most ``longest`` tokens, whose first ``shared`` tokens are
+    the same, prefill faster with those tokens run once in a forward of their own (then every
+    row's rest on top) than whole in one forward: the extra pass pays its own weight reads,
+    the shared tokens are computed once instead of ``rows`` times. From the table's measured
+    pass times (one row's tokens count as tokens of a pass)."""
+    if rows < 2 or not 0 < shared < longest:
+        return False
+    whole = table.step_ms(rows * longest, longest)
+    split = table.step_ms(shared, shared) + table.step_ms(rows * (longest - shared), longest)
+    return split < whole
+
+
 def round_up(n: int, multiple: int) -> int:
     """``n`` rounded up to a multiple of ``multiple`` (the query tokens of a padded row)."""
     return -(-n // multiple) * multiple

@@ -24,8 +24,8 @@ import torch
 from . import adapter, calibrate, invariance
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
-from .prefix import PrefixStore, shared_prefix
-from .cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, round_up
+from .prefix import PrefixStore, common_prefix, shared_prefix
+from .cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, round_up, sharing_pays
 from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
@@ -37,11 +37,6 @@ DEFAULT_MAX_DRAFT: int | None = None
 
 Warp = Callable[[torch.Tensor], torch.Tensor]
 
-
-#: Admitted prompts sharing at least this many tokens (and no stored prefix as long) have the
-#: shared part prefilled once for all of them (Batch._share_within): below it, the extra
-#: forward's weight reads cost about what the shared tokens would.
-SHARED_PREFIX_MIN = 32
 
 #: The most draft nodes one row verifies per step when the caller sets no limit; the cost
 #: table decides how many of them are worth it.
@@ -580,6 +575,8 @@ class Batch:
         self.rows: list[Row] = []
         self._min_nodes: int | None = None
         self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32)
+        # prompts may reuse stored prefixes (accel.prefix): a store, float32, full attention
+        self._prefix_model = prefixes is not None and self.exact and all(w is None for w in self.windows)
         self.guard: DraftGuard | None = None  # this step's (see draft_guard): set when it may draft, measured tables only
 
     @property
@@ -649,23 +646,30 @@ class Batch:
         self.rows.extend(rows)
 
     def _share_within(self, rows: list[Row]) -> None:
-        """When admitted prompts share a prefix of at least :data:`SHARED_PREFIX_MIN` tokens
-        that the store does not hold (a burst of requests about one new document), prefill
-        it once, alone, and store it, so that each of them then runs only its own rest."""
+        """When admitted prompts share a prefix the store does not hold (a burst of requests
+        about one new document) and the cost table says a pass of its own pays
+        (:func:`~accel.cost_model.sharing_pays`), prefill it once, alone, and store it, so that
+        each of them then runs only its own rest."""
+        if len(rows) < 2:  # rows are those that may reuse prefixes: none without a store
+            return
         prompts = [r.prompt for r in rows]
         i, length = shared_prefix(prompts)
-        if (length < SHARED_PREFIX_MIN or self.prefixes.longest(prompts[i][: length + 1]) >= length
+        if (length < self.prefixes.min_tokens or self.prefixes.longest(prompts[i][: length + 1]) >= length
                 or self.geo.entry_bytes() * length > self.prefixes.max_bytes):
             return
-        fresh = SharedCache(self.geo.num_layers, self.windows)
         part = prompts[i][:length]
+        sharing = [p for p in prompts if common_prefix(p, part) == length]
+        if self.costs is None:
+            self.costs = calibrate.step_costs(self.model)
+        if not sharing_pays(self.costs, len(sharing), length, max(int(p.numel()) for p in sharing)):
+            return
+        fresh = SharedCache(self.geo.num_layers, self.windows)
         prefill(self.model, fresh, [part])
         self.prefixes.add(part, fresh, 0)
 
     def _reuses(self, row: Row) -> bool:
         """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.prefix`)."""
-        return (self.prefixes is not None and self.exact and row.plan.compressor is None
-                and all(w is None for w in self.windows))
+        return self._prefix_model and row.plan.compressor is None
 
     def budgets(self) -> list[int]:
         """Draft nodes each live row may propose this step (see :func:`draft_budgets`)."""

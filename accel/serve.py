@@ -838,7 +838,7 @@ def run_cli(args: Any) -> int:
         raise ValueError(f"--max-tokens must be > 0, got {max_tokens}")
     from .service import DEFAULT_PREFIX_CACHE_MB
 
-    prefix_mb = DEFAULT_PREFIX_CACHE_MB if getattr(args, "prefix_cache_mb", None) is None else args.prefix_cache_mb
+    prefix_mb = DEFAULT_PREFIX_CACHE_MB if args.prefix_cache_mb is None else args.prefix_cache_mb
     if not 0 <= prefix_mb < float("inf"):
         raise ValueError(f"--prefix-cache-mb must be >= 0, got {prefix_mb}")
     model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))

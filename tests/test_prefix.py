@@ -10,6 +10,9 @@ import accel
 from accel import adapter
 from accel.cache import SharedCache
 from accel.engine import prefill, prefill_rest
+from accel.api import make_rows
+from accel.cost_model import CostTable, sharing_pays
+from accel.engine import Batch, plan_strategies
 from accel.prefix import PrefixStore
 from accel.service import DEFAULT_PREFIX_CACHE_MB
 from helpers import TINY_VOCAB, make_tiny_model
@@ -182,30 +185,43 @@ def test_engine_without_prefix_reuse_and_in_low_precision_prefills_whole(model):
             accel.Engine(model, prefix_cache_mb=bad)
 
 
-def test_prompts_admitted_together_share_their_common_prefix_computed_once(model):
-    from accel.api import make_rows
-    from accel.engine import SHARED_PREFIX_MIN, Batch, plan_strategies
+def _table(fixed: float, per_token: float) -> CostTable:
+    """A fake cost table: every pass costs ``fixed`` plus ``per_token`` per query token."""
+    tokens = (1, 64, 1024)
+    return CostTable(tokens=tokens, cache_lens=(256,), ms=(tuple(fixed + per_token * t for t in tokens),))
 
-    document = torch.randint(2, TINY_VOCAB, (SHARED_PREFIX_MIN + 8,), generator=torch.Generator().manual_seed(50))
-    prompts = [torch.cat([document, torch.tensor([3 + i, 4, 5 + i])]) for i in range(3)]
-    prompts.append(_prompt(51, 4))  # shares nothing with them
+
+def test_sharing_pays_when_the_shared_tokens_outweigh_an_extra_pass():
+    weights_bound = _table(fixed=40.0, per_token=0.1)  # a pass is mostly its weight reads
+    compute_bound = _table(fixed=5.0, per_token=2.0)
+    assert not sharing_pays(weights_bound, rows=2, shared=40, longest=50)  # saves 40 tokens of 0.1 ms < 40 ms
+    assert sharing_pays(weights_bound, rows=4, shared=1000, longest=1010)
+    assert sharing_pays(compute_bound, rows=2, shared=40, longest=50)
+    assert not sharing_pays(compute_bound, rows=1, shared=40, longest=50)  # nothing to share with
+    assert not sharing_pays(compute_bound, rows=3, shared=50, longest=50)  # no rest left to run
+
+
+def _admit_together(model, prompts, costs):
     rows = make_rows(model, prompts, plan_strategies([]), max_new_tokens=8, temperature=0.0, top_k=None,
                      top_p=None, eos=[], seed=None)
     store = PrefixStore(2**30)
-    batch = Batch(model, prefixes=store)
+    batch = Batch(model, prefixes=store, costs=costs)
     with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
         batch.admit(rows)
         while batch.rows:
             batch.step()
             batch.retire_done()
+    return rows, store
+
+
+def test_prompts_admitted_together_share_their_common_prefix_when_it_pays(model):
+    document = torch.randint(2, TINY_VOCAB, (40,), generator=torch.Generator().manual_seed(50))
+    prompts = [torch.cat([document, torch.tensor([3 + i, 4, 5 + i])]) for i in range(3)]
+    prompts.append(_prompt(51, 4))  # shares nothing with them
+    rows, store = _admit_together(model, prompts, _table(fixed=5.0, per_token=2.0))
     assert [r.generated for r in rows] == [_alone(model, p, 8) for p in prompts]
     assert [r.stats.cached_prompt_tokens for r in rows] == [document.numel()] * 3 + [0]
     assert store.hits == 3
-
-    few = make_rows(model, [_prompt(52, 5), _prompt(53, 6)], plan_strategies([]), max_new_tokens=2, temperature=0.0,
-                    top_k=None, top_p=None, eos=[], seed=None)
-    cold = PrefixStore(2**30)
-    batch = Batch(model, prefixes=cold)
-    with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
-        batch.admit(few)  # 20 shared tokens: below SHARED_PREFIX_MIN, each prefills whole
-    assert cold.hits == 0 and [r.stats.cached_prompt_tokens for r in few] == [0, 0]
+    rows, store = _admit_together(model, prompts, _table(fixed=40.0, per_token=0.1))  # an extra pass costs more
+    assert [r.generated for r in rows] == [_alone(model, p, 8) for p in prompts]
+    assert store.hits == 0 and [r.stats.cached_prompt_tokens for r in rows] == [0] * 4
