@@ -48,6 +48,8 @@ __all__ = [
     "layer_windows",
     "query_groups",
     "packed_gqa_attention",
+    "ordered_attention",
+    "ordered_capable",
     "default_eos",
     "context_length",
 ]
@@ -584,6 +586,13 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     instead: query [B, H_kv * G, T, D] -> [B, H_kv, G * T, D], mask rows repeated to match.
     Same arithmetic, no copies.
     """
+    cache = getattr(_ordered, "cache", None)
+    if cache is not None and attention_mask is not None and attention_mask.dim() == 4 \
+            and attention_mask.dtype != torch.bool and query.shape[2] <= _ORDERED_MAX_TOKENS:
+        from .ordered import attend
+
+        return attend(query, key, value, attention_mask, cache.layout(_layer_index(module)),
+                      scaling if scaling is not None else query.shape[-1] ** -0.5), None
     groups = getattr(module, "num_key_value_groups", 1)
     q_len = query.shape[2]
     mask = attention_mask
@@ -605,6 +614,33 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
 
 
 _mask_memo = threading.local()
+_ordered = threading.local()
+# Ordered attention gathers every query's tail of keys: sized for draft trees, not prompts
+# (a longer forward runs sdpa: prompts are prefilled alike for plain and drafted decoding).
+_ORDERED_MAX_TOKENS = 256
+
+
+@contextmanager
+def ordered_attention(cache: Any) -> Iterator[None]:
+    """While active (in this thread), attention layers of a model inside
+    :func:`packed_gqa_attention` compute :func:`accel.ordered.attend` over ``cache``'s
+    layout (``cache.layout(layer_idx)``) instead of sdpa."""
+    outer = getattr(_ordered, "cache", None)
+    _ordered.cache = cache
+    try:
+        yield
+    finally:
+        _ordered.cache = outer
+
+
+def ordered_capable(model: PreTrainedModel) -> bool:
+    """Whether accel's forwards of ``model`` can run ordered attention: its attention is one
+    :func:`packed_gqa_attention` replaces (sdpa or flash-attention; eager is the model's own)
+    and has no logit soft-capping or attention sinks (which ordered attention does not compute)."""
+    cfg = model.config.get_text_config(decoder=True)
+    if getattr(cfg, "attn_logit_softcapping", None) or any("sinks" in name for name, _ in model.named_parameters()):
+        return False
+    return _switchable(loaded_attention(model) or "")
 
 
 def _grouped_mask(mask: torch.Tensor, b: int, q_len: int, kv_len: int, groups: int) -> torch.Tensor:

@@ -37,6 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from .adapter import TransformersCache
+from .ordered import Layout
 
 __all__ = ["SharedCache", "RowSelector"]
 
@@ -72,6 +73,11 @@ class SharedCache(TransformersCache):
         # ones, so a row's result would depend on how many entries other tokens added
         # (accel.invariance sets it for low-precision batches; 1: exactly the entries)
         self.kv_align = 1
+        # attention of accel's forwards over this cache is accel.ordered's (each query from its
+        # own keys in logical order: bit-identical in a tree and in a plain step); set for
+        # low-precision batches by accel.invariance
+        self.ordered = False
+        self._tree: torch.Tensor | None = None  # [B, T, T] of the step being verified (ordered only)
         if len(self.windows) != num_layers:
             raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
         self._k: list[torch.Tensor | None] = [None] * num_layers  # [Bcap, H_kv, cap, D]
@@ -332,13 +338,15 @@ class SharedCache(TransformersCache):
         """
         bsz, t = positions.shape
         self._step_positions = positions
-        if t == 1 and self.kv_align == 1 and not self.ragged and len(set(self._len[0])) <= 1 and not any(self._pending):
+        if t == 1 and self.kv_align == 1 and not self.ordered and not self.ragged and len(set(self._len[0])) <= 1 and not any(self._pending):
             self._masks = [None] * self.num_layers
             return None
         device = positions.device
         low = torch.finfo(dtype).min
         if tree_mask is None:
             tree_mask = torch.ones((bsz, 1, 1), dtype=torch.bool, device=device)
+        self._tree = tree_mask if self.ordered else None
+        self._layouts: dict[tuple, Layout] = {}
         memo: dict[tuple, torch.Tensor] = {}
         masks: list[torch.Tensor | None] = []
         for layer in range(self.num_layers):
@@ -379,6 +387,18 @@ class SharedCache(TransformersCache):
             masks.append(mask)
         self._masks = masks
         return masks[0]
+
+    def layout(self, layer_idx: int) -> Layout:
+        """Where layer ``layer_idx``'s keys sit during the forward :meth:`prepare_step` set up
+        (ordered attention reads it, after the layer stored its new entries)."""
+        if self._tree is None:
+            raise RuntimeError("layout() outside an ordered forward (prepare_step on a cache with ordered=True)")
+        lengths = tuple(self._len[layer_idx])
+        pending = self._pending[layer_idx] - self._tree.shape[-1]
+        layout = self._layouts.get((lengths, pending))
+        if layout is None:  # one per distinct layout in a forward: layers share what it derives
+            layout = self._layouts[(lengths, pending)] = Layout(lengths, pending, max(lengths) + pending, self._tree)
+        return layout
 
     def layer_mask(self, layer_idx: int) -> torch.Tensor | None:
         """The mask :meth:`prepare_step` built for one layer (None: the model's own)."""

@@ -385,7 +385,8 @@ def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torc
     groups = groups if groups is not None else adapter.query_groups(model)
     mask = cache.prepare_step(positions, visible, dtype, groups)
     hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
-    with hook:
+    order = adapter.ordered_attention(cache) if cache.ordered else contextlib.nullcontext()
+    with hook, order:
         return adapter.backbone_forward(model, ids, positions, cache, mask)
 
 
@@ -572,11 +573,13 @@ class Batch:
         self.cache = SharedCache(self.geo.num_layers, self.windows)
         self.cache.row_capacity = row_capacity
         self.cache.kv_align = invariance.kv_align(model)
+        self.cache.ordered = invariance.ordered(model)
         self.rows: list[Row] = []
         self._min_nodes: int | None = None
-        self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32)
+        self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32; bf16 with ordered attention)
         # prompts may reuse stored prefixes (accel.prefix): a store, float32, full attention
-        self._prefix_model = prefixes is not None and self.exact and all(w is None for w in self.windows)
+        self._prefix_model = (prefixes is not None and self.geo.dtype == torch.float32
+                              and all(w is None for w in self.windows))
         self.guard: DraftGuard | None = None  # this step's (see draft_guard): set when it may draft, measured tables only
 
     @property

@@ -77,6 +77,7 @@ def _fresh(model, geo, prompt: torch.Tensor, align: int) -> tuple[SharedCache, i
 
     cache = SharedCache(geo.num_layers, adapter.layer_windows(model))
     cache.kv_align = align
+    cache.ordered = ordered(model)
     hidden = prefill(model, cache, prompt.reshape(1, -1))
     return cache, int(adapter.output_logits(model, hidden).argmax(dim=-1)[0])
 
@@ -169,8 +170,13 @@ def verify_rows(model, candidates: Sequence[int] = CANDIDATES) -> int:
     with _lock:
         known = _memo.setdefault(model, {})
         if key not in known:
-            full = next((r for r in candidates if probe(model, r, KV_ALIGN)), None)
-            known[key] = full if full is not None else 1
+            align = kv_align(model)
+            full = next((r for r in candidates if probe(model, r, align)), None)
+            # a negative entry: no candidate passed (1 row is used)
+            known[key] = full if full is not None else -1
+            exact_here = full is not None and ordered(model) and all(w is None for w in adapter.layer_windows(model))
+            if exact_here:
+                return known[key]
             warnings.warn(
                 f"accel: {geo.dtype} verification of {type(model).__name__} is approximate: "
                 + (f"padded to {full} query rows per step it passed the invariance probe, but draft trees can "
@@ -180,19 +186,52 @@ def verify_rows(model, candidates: Sequence[int] = CANDIDATES) -> int:
                 RuntimeWarning,
                 stacklevel=2,
             )
-        return known[key]
+        return abs(known[key])
+
+
+def ordered(model) -> bool:
+    """Whether accel's verify forwards of ``model`` use :mod:`accel.ordered` attention: in
+    low precision, where the model's attention allows it (:func:`accel.adapter.ordered_capable`)
+    and this machine's float32 products pass :func:`accel.ordered.probe`."""
+    geo = adapter.geometry(model)
+    return (geo.dtype != torch.float32 and adapter.ordered_capable(model)
+            and _ordered_probe(geo.head_dim, geo.num_heads // geo.num_kv_heads))
+
+
+def _ordered_probe(head_dim: int, groups: int) -> bool:
+    from .ordered import probe as ordered_probe
+
+    return ordered_probe(head_dim, groups)
 
 
 def kv_align(model) -> int:
-    """Columns a batch's attention sees are padded to a multiple of this (1 in float32)."""
-    return 1 if adapter.geometry(model).dtype == torch.float32 else KV_ALIGN
+    """Columns a batch's attention sees are padded to a multiple of this: 1 in float32 and
+    with ordered attention (which lays keys out itself), :data:`KV_ALIGN` otherwise."""
+    return 1 if adapter.geometry(model).dtype == torch.float32 or ordered(model) else KV_ALIGN
 
 
 def is_exact(model) -> bool:
     """Whether accel claims greedy drafting exact for ``model``: True in float32 (tested,
-    not probed); False in lower precision, where the padding makes drafts agree with plain
-    decoding on chains and on what the probe tries, but not on every tree layout."""
-    return adapter.geometry(model).dtype == torch.float32  # a passing probe is no proof for every tree
+    not probed). In lower precision only with ordered attention (each query's attention a
+    function of its own keys in logical order, by construction), full attention in every
+    layer (a sliding window's trimming moves entries by what each step accepted), and a
+    passing :func:`probe` (the linear layers give a row the same result at the row counts a
+    step pads to); without ordered attention the padding makes drafts agree with plain
+    decoding on chains and on what the probe tries, not on every tree layout."""
+    geo = adapter.geometry(model)
+    if geo.dtype == torch.float32:
+        return True
+    if not ordered(model) or any(w is not None for w in adapter.layer_windows(model)):
+        return False
+    with _lock:
+        known = _memo.get(model, {})
+        key = (geo.dtype, geo.device, torch.get_num_threads(), tuple(CANDIDATES))
+        passed = known.get(key)
+    if passed is None:
+        verify_rows(model)
+        with _lock:
+            passed = _memo[model][key]
+    return passed > 0
 
 
 def _main() -> None:  # python -m accel.invariance [dtype]: which row counts are invariant here

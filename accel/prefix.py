@@ -13,7 +13,8 @@ What is reused is what the prefill computed for the same tokens at the same posi
 the row's entries are the entries it would have; the rest of the prompt is computed as a
 multi-token verify pass is, in another order than one whole-prompt forward, so it agrees
 with a plain prefill as closely as drafting agrees with plain decoding. Hence the engine
-reuses prefixes in float32 only (where it claims drafting exact, :func:`accel.invariance.is_exact`),
+reuses prefixes in float32 only (in lower precision the rest of a prompt would not agree with
+a whole-prompt forward to the last bit, and ordered attention is sized for draft trees, not prompts),
 for rows without prompt compression (SnapKV scores need the whole prompt's queries) and on
 models without sliding windows (their prompt entries are trimmed to the window).
 """

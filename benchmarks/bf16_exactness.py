@@ -1,11 +1,12 @@
 """Greedy drafting in bfloat16 against plain bf16 accel decoding, on the held-out chat prompts.
 
     python benchmarks/bf16_exactness.py                     # prompt lookup and Medusa: prompts equal, token for token
-    python benchmarks/bf16_exactness.py --unpadded          # the same without accel.invariance's padding
-    python benchmarks/bf16_exactness.py cost                # what the padding costs plain bf16 decoding
+    python benchmarks/bf16_exactness.py --unpadded          # the same on sdpa, without accel.invariance's padding
+    python benchmarks/bf16_exactness.py cost                # what ordered attention and the padding cost plain bf16 decoding
 
 Options: --prompts N (default 40; cost: 8), --new N (default 32; cost: 64). ``cost`` times
-plain bf16 decoding with the padding against the same decoding unpadded (rows x1, columns
+plain bf16 decoding as accel runs it (ordered attention where accel.invariance.ordered, rows
+padded as the probe chose) against the same decoding on sdpa, unpadded (rows x1, columns
 unaligned), interleaved prompt by prompt, with float32 plain decoding for reference; ratios
 are decode tok/s of the same run. Run it on an otherwise idle machine.
 """
@@ -33,13 +34,15 @@ from speculative.train import held_out_prompts  # noqa: E402
 
 @contextlib.contextmanager
 def unpadded():
-    """accel without the low-precision padding: rows x1, columns unaligned."""
-    real = invariance.verify_rows, invariance.kv_align
+    """accel without its low-precision measures: sdpa attention (not accel.ordered), rows x1,
+    columns unaligned."""
+    real = invariance.verify_rows, invariance.kv_align, invariance.ordered
     invariance.verify_rows, invariance.kv_align = (lambda model, candidates=None: 1), (lambda model: 1)
+    invariance.ordered = lambda model: False
     try:
         yield
     finally:
-        invariance.verify_rows, invariance.kv_align = real
+        invariance.verify_rows, invariance.kv_align, invariance.ordered = real
 
 
 def cpu_model() -> str:
@@ -72,7 +75,7 @@ def agreement(model, tok, prompts: list[str], new: int, padded: bool) -> None:
 
 def cost(model, tok, prompts: list[str], new: int) -> None:
     model32, _ = load_default(dtype=torch.float32)
-    seconds = {"bf16 padded": 0.0, "bf16 unpadded": 0.0, "float32": 0.0}
+    seconds = {"bf16 accel": 0.0, "bf16 unpadded": 0.0, "float32": 0.0}
     tokens = dict.fromkeys(seconds, 0)
     for p in prompts:
         ids = chat_ids(tok, p)
@@ -97,8 +100,9 @@ def main() -> None:
     args = parser.parse_args()
     model, tok = load_default(dtype=torch.bfloat16)
     rows = invariance.verify_rows(model)  # probed once, before anything is timed
-    setting = (f"padded to a multiple of {rows} rows and {invariance.kv_align(model)} columns" if not args.unpadded
-               else f"unpadded (the probe chose {rows} rows)")
+    attention = "ordered attention" if invariance.ordered(model) else "sdpa"
+    setting = (f"{attention}, padded to a multiple of {rows} rows and {invariance.kv_align(model)} columns"
+               if not args.unpadded else f"sdpa, unpadded (the probe chose {rows} rows)")
     print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; bf16 verify {setting}",
           flush=True)
     if args.mode == "cost":

@@ -1,0 +1,233 @@
+"""Ordered attention: each query's attention computed from its own keys in their logical
+order and from nothing else, so that a token verified inside a draft tree, or next to other
+rows, gets bit for bit what a plain decoding step at its position gets.
+
+Why: CPU attention kernels (sdpa's flash kernel, a float32 GEMM) choose blocking and
+summation order by the shapes they are given. In float32 that moves results by an ulp; in
+bfloat16 it flips greedy tokens, and padding the shapes (the older :mod:`accel.invariance`
+scheme) cannot fix where a node's key sits: in a tree it sits after its siblings', in a plain
+step next to its ancestors'.
+
+How: a query's keys are laid out on *virtual columns*, where they will sit once the tree is
+committed: the row's committed entries at their own columns ``0 .. n - 1`` (dropped or
+out-of-window entries keep their place, masked), then entries of earlier forwards since the
+last commit, then the query's ancestors and itself in depth order. The virtual columns are
+cut into blocks of :data:`BLOCK`. Per block and query: scores ``K_blk @ q`` (a float32
+matrix product whose shape is fixed by the block and the head size: 64 keys x D), the
+block's max, ``exp(s - max)``, and ``[V_blk^T; 1] @ e`` (values and the sum of weights, a
+product of fixed shape D + 1 x 64). Blocks are then merged with a common max and a
+sequential sum (``cumsum``: one accumulator, block order). Blocks below the row's last full
+block of committed entries are read in place (one product for all queries of the row);
+the rest, the *tail* (under 64 committed entries, the earlier entries, the query's
+ancestors), is gathered per query. A block gives the same numbers on either path: the
+products' only free dimension is the number of queries, and :func:`probe` checks once per
+head size and process that this machine's kernels give a query's column the same result
+whatever that number is (true of the Intel Xeon's MKL; a single matrix-vector product is
+the exception, so a lone query column is doubled).
+
+Everything is float32 from bf16/fp16 inputs (products of two bf16 numbers are exact in
+float32); the output is cast back. It agrees with sdpa to float32 rounding (tested), and
+costs a float32 copy of the keys and values a layer reads (see docs/BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["BLOCK", "Layout", "attend", "probe"]
+
+#: Keys per block of virtual columns.
+BLOCK = 64
+#: Below this many (query, committed entry) pairs a forward gathers every query's keys
+#: instead of reading full blocks in place (fewer operations; the blocks' numbers are the same).
+GATHER = 4096
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """Where one layer's keys sit for a forward of T new tokens per row.
+
+    lengths: committed entries per row (columns ``0 .. n_b - 1``).
+    pending: entries earlier forwards appended since the last commit, at columns
+        ``max(lengths) ..``, seen by every new token.
+    start: column of this forward's first new entry (``max(lengths) + pending``).
+    tree: BoolTensor [B, T, T], True where new token i sees new token j (its ancestors and
+        itself; ancestors come before their descendants).
+    """
+
+    lengths: tuple[int, ...]
+    pending: int
+    start: int
+    tree: torch.Tensor
+    # what every layer of the forward with this layout derives alike (tail columns, masks)
+    memo: dict = field(default_factory=dict, repr=False)
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` with ``b``'s last dimension at least 2 (a lone column would be a
+    matrix-vector product, which sums in another order)."""
+    if b.shape[-1] == 1:
+        return torch.matmul(a, torch.cat([b, b], dim=-1))[..., :1]
+    return torch.matmul(a, b)
+
+
+def _weights(scores: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block and query: (the max of its scores over the block's keys, at ``dim``, kept;
+    exp(scores - max)). A max is exact in any order; exp is elementwise."""
+    top = scores.amax(dim=dim, keepdim=True)
+    return top, torch.exp(scores - top)
+
+
+def _augmented(values: torch.Tensor) -> torch.Tensor:
+    """values [..., BLOCK, D] -> [..., D + 1, BLOCK] float32: the values transposed, and a
+    row of ones (its product with the weights is their sum)."""
+    *lead, n, d = values.shape
+    out = torch.empty((*lead, d + 1, n), dtype=torch.float32, device=values.device)
+    out[..., :d, :] = values.transpose(-1, -2)
+    out[..., d, :] = 1.0
+    return out
+
+
+def direct_blocks(layout: Layout) -> int:
+    """Blocks of committed entries read in place (the same for every row; a row's blocks past
+    its own full ones are masked there and gathered in its tail): 0 where gathering every
+    query's keys is small (under :data:`GATHER` entries), which saves the second path."""
+    n = max(layout.lengths)
+    return 0 if n * layout.tree.shape[-1] <= GATHER else n // BLOCK
+
+
+def _tail_columns(layout: Layout, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Storage columns of every query's tail, in virtual order: (columns [B, T, W], valid
+    [B, T, W], W) with W a multiple of BLOCK; invalid slots point at column 0."""
+    n = torch.tensor(layout.lengths, device=device)
+    nd = direct_blocks(layout)
+    first = torch.minimum(n // BLOCK, torch.tensor(nd)) * BLOCK  # [B] virtual column where the tail starts
+    left = (n - first)[:, None, None]  # committed entries in the tail
+    tree = layout.tree
+    t = tree.shape[-1]
+    seen = tree.sum(-1)  # [B, T] ancestors and itself
+    width = int((left[..., 0] + layout.pending + seen).max())
+    w = -(-width // BLOCK) * BLOCK
+    i = torch.arange(w, device=device)  # [W]
+    order = torch.argsort((~tree).to(torch.int8), dim=-1, stable=True)  # visible new tokens first, in order
+    rank = (i - left - layout.pending).clamp(0, t - 1).expand(tree.shape[0], t, w)
+    cols = torch.where(
+        i < left,
+        first[:, None, None] + i,
+        torch.where(i < left + layout.pending, max(layout.lengths) + i - left,
+                    layout.start + order.gather(-1, rank)),
+    )
+    valid = i < (left + layout.pending + seen[..., None])
+    return torch.where(valid, cols, 0), valid, w
+
+
+def _memo(layout: Layout, key, make):
+    found = layout.memo.get(key)
+    if found is None:
+        found = layout.memo[key] = make()
+    return found
+
+
+def _masks(mask: torch.Tensor, layout: Layout, hkv: int, g: int, cols: torch.Tensor, valid: torch.Tensor
+           ) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The mask, float32, laid out as the direct scores [B, H_kv or 1, nd, BLOCK, G or 1, T]
+    (blocks past a row's own full ones masked: they are in its tail) and as the tail scores
+    [B, H_kv or 1, T, nt, BLOCK, G or 1]."""
+    b, heads, t, _ = mask.shape
+    low = torch.finfo(mask.dtype).min
+    mg = (hkv, g) if heads == hkv * g else (1, 1)
+    nd = direct_blocks(layout)
+    direct = [min(n // BLOCK, nd) for n in layout.lengths]
+    m_direct = None
+    if nd:
+        m_direct = mask[:, :, :, : nd * BLOCK].float().reshape(b, *mg, t, nd, BLOCK).permute(0, 1, 4, 5, 2, 3)
+        if min(direct) < nd:
+            beyond = torch.arange(nd, device=mask.device)[None, :] >= torch.tensor(direct, device=mask.device)[:, None]
+            m_direct = m_direct.masked_fill(beyond[:, None, :, None, None, None], low)
+        m_direct = m_direct.contiguous()
+    w = cols.shape[-1]
+    m_tail = mask.gather(-1, cols[:, None].expand(b, heads, t, w)).float().masked_fill(~valid[:, None], low)
+    m_tail = m_tail.reshape(b, *mg, t, w // BLOCK, BLOCK).permute(0, 1, 3, 4, 5, 2).contiguous()
+    return m_direct, m_tail
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, layout: Layout,
+           scale: float) -> torch.Tensor:
+    """Attention of T new tokens per row, each query from its own keys in virtual order.
+
+    query [B, H_q, T, D]; key, value [B, H_kv, S, D] (the layer's stored entries, this
+    forward's included); mask [B, 1 or H_q, T, S] additive (what a query may see: dropped
+    entries, windows, other rows' padding masked). Returns [B, T, H_q, D] in query's dtype.
+    """
+    b, hq, t, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    q = query.float()
+    tops, sums = [], []
+    cols, valid, w = _memo(layout, "tail", lambda: _tail_columns(layout, query.device))
+    m_direct, m_tail = _memo(layout, ("mask", id(mask), hkv, g), lambda: _masks(mask, layout, hkv, g, cols, valid))
+
+    nd = direct_blocks(layout)
+    if nd:  # every row's full blocks of committed entries, read in place
+        width = nd * BLOCK
+        keys = key[:, :, :width].float().reshape(b, hkv, nd, BLOCK, d)
+        scores = _mm(keys, q.reshape(b, hkv, 1, g * t, d).transpose(-1, -2))  # [B, H_kv, nd, BLOCK, G*T]
+        scores = scores.reshape(b, hkv, nd, BLOCK, g, t) * scale + m_direct
+        top, weights = _weights(scores, dim=3)
+        out = _mm(_augmented(value[:, :, :width].reshape(b, hkv, nd, BLOCK, d)),
+                  weights.reshape(b, hkv, nd, BLOCK, g * t))  # [B, H_kv, nd, D + 1, G*T]
+        tops.append(top.reshape(b, hkv, nd, g, t).permute(0, 1, 3, 4, 2))
+        sums.append(out.reshape(b, hkv, nd, d + 1, g, t).permute(0, 1, 4, 5, 2, 3))
+
+    nt = w // BLOCK  # the rest of every query's keys, gathered
+    rows = torch.arange(b, device=query.device)[:, None, None]
+    keys = torch.empty((b, hkv, t, nt, BLOCK, d), dtype=torch.float32, device=query.device)
+    keys.copy_(key.transpose(1, 2)[rows, cols].reshape(b, t, nt, BLOCK, hkv, d).permute(0, 4, 1, 2, 3, 5))
+    vals = torch.empty((b, hkv, t, nt, d + 1, BLOCK), dtype=torch.float32, device=query.device)
+    vals[..., :d, :] = value.transpose(1, 2)[rows, cols].reshape(b, t, nt, BLOCK, hkv, d).permute(0, 4, 1, 2, 5, 3)
+    vals[..., d, :] = 1.0  # [V_blk^T; 1]: the product's last row sums the weights
+    qt = q.reshape(b, hkv, g, t, d).permute(0, 1, 3, 4, 2).unsqueeze(3)  # [B, H_kv, T, 1, D, G]
+    scores = _mm(keys, qt) * scale + m_tail  # [B, H_kv, T, nt, BLOCK, G]
+    top, weights = _weights(scores, dim=4)
+    out = _mm(vals, weights)  # [B, H_kv, T, nt, D + 1, G]
+    tops.append(top.squeeze(4).permute(0, 1, 4, 2, 3))
+    sums.append(out.permute(0, 1, 5, 2, 3, 4))
+
+    top = torch.cat(tops, dim=-1) if len(tops) > 1 else tops[0]  # [B, H_kv, G, T, blocks]
+    acc = torch.cat(sums, dim=-2) if len(sums) > 1 else sums[0]  # [B, H_kv, G, T, blocks, D + 1]
+    scale_b = torch.exp(top - top.amax(dim=-1, keepdim=True))
+    total = (acc * scale_b.unsqueeze(-1)).cumsum(dim=-2)[..., -1, :]  # block order, one accumulator
+    out = total[..., :d] / total[..., d:]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, hq, d).to(query.dtype)
+
+
+@functools.cache
+def probe(head_dim: int, groups: int) -> bool:
+    """Whether this machine's float32 products give a query column the same numbers
+    whatever the number of other columns and of matrices in the batch (the one property
+    :func:`attend` needs of its kernels), for keys of ``head_dim`` and ``groups`` query heads
+    per KV head: checked once per process on random bf16-valued data."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(9, BLOCK, head_dim, generator=gen).bfloat16().float()
+    vals = _augmented(torch.randn(9, BLOCK, head_dim, generator=gen).bfloat16().float())
+    cols = torch.randn(9, head_dim, 40, generator=gen).bfloat16().float()
+    weights = torch.rand(9, BLOCK, 40, generator=gen)
+    ref_s = _mm(keys[:1], cols[:1, :, :1])[0, :, 0]
+    ref_o = _mm(vals[:1], weights[:1, :, :1])[0, :, 0]
+    for n in sorted({1, 2, groups, 3 * groups, 8 * groups, 40}):
+        n = min(n, 40)
+        for batch in (1, 2, 9):
+            c = cols[:batch, :, :n].clone()
+            c[-1, :, -1] = cols[0, :, 0]
+            k = keys[:batch].clone()
+            k[-1] = keys[0]
+            wt = weights[:batch, :, :n].clone()
+            wt[-1, :, -1] = weights[0, :, 0]
+            v = vals[:batch].clone()
+            v[-1] = vals[0]
+            if not (torch.equal(_mm(k, c)[-1, :, -1], ref_s) and torch.equal(_mm(v, wt)[-1, :, -1], ref_o)):
+                return False
+    return True

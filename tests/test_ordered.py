@@ -1,0 +1,102 @@
+"""Ordered attention (accel.ordered): the same numbers as sdpa up to float32 rounding, and
+bit for bit the same for a query whatever else is verified with it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from accel import ordered
+from accel.ordered import Layout, attend
+
+LOW = torch.finfo(torch.bfloat16).min
+
+
+def _tree(parents: list[int]) -> torch.Tensor:
+    """[T, T] ancestors-and-itself of a tree given by each node's parent (-1: root)."""
+    t = len(parents)
+    seen = torch.zeros(t, t, dtype=torch.bool)
+    for i in range(t):
+        j = i
+        while j >= 0:
+            seen[i, j] = True
+            j = parents[j]
+    return seen
+
+
+def _case(lengths, pending, parents, heads_kv=3, groups=3, d=64, per_head=False, seed=0):
+    """Random keys/values/queries on a cache of rows of ``lengths`` committed entries, a
+    chain of ``pending`` earlier entries and a tree; the additive mask and its Layout."""
+    gen = torch.Generator().manual_seed(seed)
+    b, t = len(lengths), len(parents)
+    start = max(lengths) + pending
+    s = start + t
+    k = torch.randn(b, heads_kv, s, d, generator=gen).bfloat16()
+    v = torch.randn(b, heads_kv, s, d, generator=gen).bfloat16()
+    q = torch.randn(b, heads_kv * groups, t, d, generator=gen).bfloat16()
+    tree = _tree(parents).expand(b, t, t).clone()
+    heads = heads_kv * groups if per_head else 1
+    allowed = torch.zeros(b, heads, t, s, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        allowed[i, :, :, :n] = True
+    allowed[:, :, :, max(lengths):start] = True
+    allowed[:, :, :, start:] = tree[:, None]
+    if per_head:  # a dropped entry per KV head (SnapKV's per-head budgets)
+        for h in range(heads_kv):
+            allowed[:, h * groups:(h + 1) * groups, :, 3 + h] = False
+    mask = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, LOW)
+    return q, k, v, mask, Layout(tuple(lengths), pending, start, tree)
+
+
+def _sdpa(q, k, v, mask, scale):
+    g = q.shape[1] // k.shape[1]
+    out = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1),
+                                         attn_mask=mask.float(), scale=scale)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("gather", [0, 10**9])
+@pytest.mark.parametrize("lengths,pending,parents,per_head", [
+    ((130,), 0, [-1], False),
+    ((130, 70, 5), 0, [-1, 0, 0, 1, 2, 4], False),
+    ((200, 64), 3, [-1, 0, 1], True),
+    ((63, 129), 0, [-1, 0, 0, 0, 1, 1, 2, 3], True),
+])
+def test_attend_equals_sdpa_in_float32(lengths, pending, parents, per_head, gather, monkeypatch):
+    monkeypatch.setattr(ordered, "GATHER", gather)
+    q, k, v, mask, layout = _case(lengths, pending, parents, per_head=per_head)
+    out = attend(q.float(), k.float(), v.float(), mask, layout, 0.125)
+    assert out.shape == (len(lengths), len(parents), q.shape[1], q.shape[3])
+    assert torch.allclose(out, _sdpa(q, k, v, mask, 0.125), atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("gather", [0, 10**9])
+def test_a_node_gets_the_plain_steps_numbers_bit_for_bit(gather, monkeypatch):
+    # node 4's path is 0 -> 2 -> 4 (its siblings sit between them); committed, the path sits
+    # at columns n, n+1 and the plain step at n+2 sees it there, next to another row
+    monkeypatch.setattr(ordered, "GATHER", gather)
+    n, parents = 62, [-1, 0, 0, 1, 2, 2]
+    q, k, v, mask, layout = _case((n, 20), 0, parents, seed=1)
+    tree_out = attend(q, k, v, mask, layout, 0.125)
+    path = [0, 2, 4]
+    k2 = torch.cat([k[:, :, :n], k[:, :, [n + p for p in path]]], dim=2)[:1]  # row 0 alone, path committed
+    v2 = torch.cat([v[:, :, :n], v[:, :, [n + p for p in path]]], dim=2)[:1]
+    mask2 = torch.zeros(1, 1, 1, n + 3, dtype=torch.bfloat16)
+    plain = attend(q[:1, :, 4:5], k2, v2, mask2, Layout((n + 2,), 0, n + 2, torch.ones(1, 1, 1, dtype=torch.bool)), 0.125)
+    assert torch.equal(plain[0, 0], tree_out[0, 4])
+    # garbage in the siblings' and the other row's entries does not move it either
+    k[:, :, n + 1] += 3
+    k[1] -= 1
+    assert torch.equal(attend(q, k, v, mask, Layout(layout.lengths, 0, layout.start, layout.tree), 0.125)[0, 4],
+                       tree_out[0, 4])
+
+
+def test_probe_passes_on_this_machine_or_ordered_is_off():
+    from accel import invariance
+    from helpers import make_tiny_model
+
+    model = make_tiny_model(seed=2, hidden_size=192, num_attention_heads=3, num_kv_heads=1,
+                            intermediate_size=512).to(torch.bfloat16)
+    assert invariance.ordered(model) == ordered.probe(64, 3)
+    assert not invariance.ordered(make_tiny_model(seed=2))  # float32 runs sdpa
