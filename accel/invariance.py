@@ -1,44 +1,42 @@
-"""Padded verification for low precision: each row's arithmetic as independent as the CPU
-kernels allow of how many tokens are verified with it, so greedy drafting agrees with plain
-decoding in bfloat16 (agrees, not proven equal: see the end).
+"""Batch-invariant verification for low precision: each row's arithmetic independent of how
+many tokens are verified with it, so greedy drafting equals plain decoding in bfloat16.
 
 A verify pass scores a row's draft tree in one forward; plain decoding scores one token per
 forward. Both compute the same function, but CPU kernels choose their blocking, and so their
 order of summation, by the shapes they get. In float32 the difference is a few ulps and never
 flipped a greedy token in our tests; in bfloat16 it is ~1e-2 in the logits, enough to flip
-greedy tokens.
+greedy tokens. Two measures, in low precision:
 
-Measured on an Intel Xeon (Ice Lake, torch 2.13; ``python -m accel.invariance`` prints the
-probe per setting): a bfloat16 ``F.linear`` gives one result per row for 1, for 2-3 and for 4
-or more rows, CPU flash attention one for 1-2 and one for 3 or more query rows, and a row in
-a partial tile of the kernel goes through another micro-kernel. The attention kernel also sums
-the last, partial block of keys in another order than full ones, so a row's result depended
-on how many entries the other tokens added. Hence, in low precision:
-
-- a verify pass pads every row's tree to a multiple of ``r`` query tokens (padding sees only
-  itself and is dropped at commit), and the output layer gets a multiple of ``r`` rows
-  (``engine.verify(..., min_nodes=r)``);
-- attention sees each layer's cache columns padded (masked) to a multiple of
-  :data:`KV_ALIGN` (``SharedCache.kv_align``; the storage is zero-filled, nothing is copied).
+- **Attention** is :mod:`accel.ordered`'s wherever :func:`ordered` holds (the model's
+  attention is sdpa or flash-attention without soft-capping or sinks, and this machine's
+  float32 products pass :func:`accel.ordered.probe`): each query's attention is computed
+  from its own keys in logical order, so a node's key sitting after its siblings' in a tree,
+  not next to its ancestors' as in a plain step, changes nothing. Otherwise attention is sdpa
+  with each layer's cache columns padded (masked) to a multiple of :data:`KV_ALIGN`, which
+  makes the last partial block of keys the same for every row but cannot fix where a node's
+  key sits (on an Intel Xeon, Ice Lake, a Medusa tree differed on 1 of 40 prompts that way;
+  on the Xeon of family 6 model 207 the probe failed at every row count).
+- **Linear layers**: a verify pass pads every row's tree to a multiple of ``r`` query tokens
+  (padding sees only itself and is dropped at commit), and the output layer gets a multiple
+  of ``r`` rows (``engine.verify(..., min_nodes=r)``). Measured: on the Ice Lake Xeon a
+  bfloat16 ``F.linear`` gave one result per row for 1, for 2-3 and for 4 or more rows; on the
+  model 207 Xeon a ``down_proj`` of one row differed from the same row among two or more.
 
 The thresholds are the kernels' and differ between CPUs and builds, so ``r`` is measured, not
 fixed: :func:`verify_rows` probes the candidates once per model, dtype and thread count in a
 process (:func:`probe`: plain steps against chains inside trees of 6 to 32 nodes, with and
 without siblings between the chain's nodes, and next to other rows; about forty short
 forwards per candidate, a few seconds for the default model in bfloat16). Float32 runs
-unpadded (``r = 1``, what ``model.generate`` computes, so plain accel still equals it token
-for token).
+unpadded on sdpa (``r = 1``, what ``model.generate`` computes, so plain accel still equals it
+token for token).
 
-Low precision stays labelled *approximate* (one warning per model, ``exact_verify=False``
-in generate's stats). On that machine, with the default model in bf16, the probe passes at
-``r = 4``, yet a Medusa tree still differed: a depth-1 node four columns after its root,
-across a 64-column block, got other logits than the plain step at its position. In a tree a
-node's key sits after its siblings', not next to its ancestors' as in a plain step, and the
-attention kernel's sum over keys depends on where the keys sit. Agreement with plain bf16
-decoding is measured by ``python benchmarks/bf16_exactness.py`` (figures in
-docs/BENCHMARKS.md). Exact trees need an attention whose sum runs in the order of logical
-positions (the cache part, and each node's ancestors gathered in depth order, merged by
-log-sum-exp), not of cache columns.
+Low precision is claimed exact (:func:`is_exact`, ``exact_verify`` in generate's stats) with
+ordered attention, a passing probe and full attention in every layer; otherwise it is
+labelled *approximate* (one warning per model). What the claim rests on beyond construction:
+the linear layers giving a row the same numbers at every multiple of ``r`` rows a step uses
+(the probe tries trees up to 32 nodes next to other rows, not every count). Agreement with
+plain bf16 decoding is measured by ``python benchmarks/bf16_exactness.py`` (figures in
+docs/BENCHMARKS.md: 40/40 prompts with prompt lookup and with Medusa).
 """
 
 from __future__ import annotations

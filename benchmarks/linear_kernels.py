@@ -14,6 +14,11 @@ model's decode and verify passes. ``--passes`` also times whole verify passes
 kernel, alternating, medians of 5.
 
     python benchmarks/linear_kernels.py --rows 1 2 4 8 16 --passes
+    python benchmarks/linear_kernels.py --rows 1 2 2048 --repeats 3 --dtype bfloat16   # bf16 weights and rows
+
+``--dtype bfloat16`` times the three kernels on bf16 weights and rows (packed: only where
+the CPU has bf16 instructions, ``accel.cpu.bf16_native``; elsewhere oneDNN would convert on
+the fly), for comparison with the float32 run.
 """
 
 from __future__ import annotations
@@ -61,18 +66,21 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--passes", action="store_true", help="also time whole verify passes on each kernel")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     model, _ = load_model(args.model, prepack=False)
     shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
-    print(f"model={args.model} threads={torch.get_num_threads()} cpu={_machine()['cpu']!r} torch={torch.__version__}")
+    print(f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} cpu={_machine()['cpu']!r} "
+          f"torch={torch.__version__}")
     print("weight [out, in]   rows  F.linear  mm(x, W.T contiguous)  packed   (ms)")
     with torch.inference_mode():
         for out_f, in_f in shapes:
-            w = torch.randn(out_f, in_f)
+            w = torch.randn(out_f, in_f).to(dtype)
             wt = w.t().contiguous()
             packed = PackedLinear.from_weight(w)
             for m in args.rows:
-                x = torch.randn(m, in_f)
+                x = torch.randn(m, in_f).to(dtype)
                 a = _ms(lambda: torch.nn.functional.linear(x, w), args.repeats)
                 b = _ms(lambda: torch.mm(x, wt), args.repeats)
                 c = _ms(lambda: packed(x), args.repeats)
