@@ -172,15 +172,21 @@ def verify_rows(model, candidates: Sequence[int] = CANDIDATES) -> int:
             full = next((r for r in candidates if probe(model, r, align)), None)
             # a negative entry: no candidate passed (1 row is used)
             known[key] = full if full is not None else -1
-            exact_here = full is not None and ordered(model) and all(w is None for w in adapter.layer_windows(model))
-            if exact_here:
+            windows = any(w is not None for w in adapter.layer_windows(model))
+            if full is not None and ordered(model) and not windows:
                 return known[key]
+            if full is None:
+                why = f"none of {list(candidates)} query rows per step gave bit-identical logits on this machine"
+            elif ordered(model):
+                why = ("its sliding-window layers trim entries by what each step accepted, so a token's keys "
+                       "do not sit where a plain step's would")
+            else:
+                why = (f"padded to {full} query rows per step it passed the invariance probe, but without ordered "
+                       "attention (see accel.invariance) draft trees can still differ from plain decoding in the "
+                       "last bits")
             warnings.warn(
-                f"accel: {geo.dtype} verification of {type(model).__name__} is approximate: "
-                + (f"padded to {full} query rows per step it passed the invariance probe, but draft trees can "
-                   "still differ from plain decoding in the last bits (see accel.invariance)" if full is not None else
-                   f"none of {list(candidates)} query rows per step gave bit-identical logits on this machine")
-                + "; greedy speculative output may differ from plain decoding",
+                f"accel: {geo.dtype} verification of {type(model).__name__} is approximate: {why}"
+                "; greedy speculative output may differ from plain decoding",
                 RuntimeWarning,
                 stacklevel=2,
             )

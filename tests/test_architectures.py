@@ -262,3 +262,37 @@ def test_cell_is_exact(arch, cell, heads_dir):
     reference = CELLS[cell]
     if reference is not None:
         assert res.sequences.tolist() == run(arch, reference, heads_dir).sequences.tolist()
+
+
+# --------------------------------------------------------------------------- bfloat16
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_bf16_drafting_is_exact_where_claimed_on_every_architecture(arch):
+    # ordered attention wherever the attention allows it; claimed exact without sliding
+    # windows and soft-capping, and then greedy drafting (garbage included) equals plain bf16
+    import copy
+    import warnings
+
+    from accel import invariance, ordered
+    from test_speculative import Scripted
+
+    model = copy.deepcopy(arch_model(arch)).to(torch.bfloat16)
+    geo = adapter.geometry(model)
+    capable = arch != "gemma2"  # attention logit soft-capping: not computed by ordered attention
+    assert adapter.ordered_capable(model) == capable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the approximate label, where it applies
+        exact = invariance.is_exact(model)
+    products = ordered.probe(geo.head_dim, geo.num_heads // geo.num_kv_heads)
+    assert exact == (capable and arch not in SLIDING and products and invariance.verify_rows(model) > 0)
+    ids = prompt(3)
+    kw = dict(max_new_tokens=20, eos_token_id=[])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        ref = accel.generate(model, ids, strategies=[], **kw)
+        outs = [accel.generate(model, ids, strategies=s, **kw) for s in ([PromptLookup()], [Scripted(mode="random")])]
+    for out in outs:
+        assert out.stats.exact_verify == exact and out.stats.drafted_tokens > 0
+        if exact:
+            assert torch.equal(out.sequences, ref.sequences)
