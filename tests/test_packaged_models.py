@@ -219,3 +219,19 @@ def test_needle_found_by_snapkv_wherever_the_full_cache_finds_it(name):
         assert ok_snap or not ok_full, report[i]
     if name == QWEN:
         assert all(found["full"]), report
+
+
+def test_qwen_in_bf16_drafting_is_exact_with_ordered_attention():
+    # a real model in bfloat16: ordered attention, claimed exact, prompt lookup equal to plain bf16
+    from accel import invariance
+
+    try:
+        model, tok = load_shared(QWEN, torch.bfloat16, "cpu")
+    except ModelNotAvailableError as err:
+        pytest.skip(str(err))
+    assert invariance.ordered(model) and invariance.is_exact(model)
+    for prompt in PROMPTS[QWEN]:
+        ids = _prompt_ids(QWEN, tok, prompt)
+        ref = accel.generate(model, ids, strategies=[], max_new_tokens=NEW, tokenizer=tok)
+        out = accel.generate(model, ids, strategies=[PromptLookup()], max_new_tokens=NEW, tokenizer=tok)
+        assert out.stats.exact_verify and torch.equal(out.sequences, ref.sequences), (out.text[0], ref.text[0])
