@@ -104,7 +104,7 @@ def _tail_columns(layout: Layout, device) -> tuple[torch.Tensor, torch.Tensor, i
     [B, T, W], W) with W a multiple of BLOCK; invalid slots point at column 0."""
     n = torch.tensor(layout.lengths, device=device)
     nd = direct_blocks(layout)
-    first = torch.minimum(n // BLOCK, torch.tensor(nd)) * BLOCK  # [B] virtual column where the tail starts
+    first = (n // BLOCK).clamp(max=nd) * BLOCK  # [B] virtual column where the tail starts
     left = (n - first)[:, None, None]  # committed entries in the tail
     tree = layout.tree
     t = tree.shape[-1]
