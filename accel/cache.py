@@ -78,6 +78,7 @@ class SharedCache(TransformersCache):
         # low-precision batches by accel.invariance
         self.ordered = False
         self._tree: torch.Tensor | None = None  # [B, T, T] of the step being verified (ordered only)
+        self._layouts: dict[tuple, Layout] = {}  # this forward's, by (lengths, pending)
         if len(self.windows) != num_layers:
             raise ValueError(f"windows has {len(self.windows)} entries for {num_layers} layers")
         self._k: list[torch.Tensor | None] = [None] * num_layers  # [Bcap, H_kv, cap, D]
@@ -346,7 +347,7 @@ class SharedCache(TransformersCache):
         if tree_mask is None:
             tree_mask = torch.ones((bsz, 1, 1), dtype=torch.bool, device=device)
         self._tree = tree_mask if self.ordered else None
-        self._layouts: dict[tuple, Layout] = {}
+        self._layouts = {}
         memo: dict[tuple, torch.Tensor] = {}
         masks: list[torch.Tensor | None] = []
         for layer in range(self.num_layers):
@@ -397,7 +398,7 @@ class SharedCache(TransformersCache):
         pending = self._pending[layer_idx] - self._tree.shape[-1]
         layout = self._layouts.get((lengths, pending))
         if layout is None:  # one per distinct layout in a forward: layers share what it derives
-            layout = self._layouts[(lengths, pending)] = Layout(lengths, pending, max(lengths) + pending, self._tree)
+            layout = self._layouts[(lengths, pending)] = Layout(lengths, pending, self._tree)
         return layout
 
     def layer_mask(self, layer_idx: int) -> torch.Tensor | None:

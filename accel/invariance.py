@@ -66,7 +66,7 @@ _EXTRA = (0, 3, 11, 26)  # garbage nodes hung below the chain: trees of 6, 9, 17
 #: ``SharedCache.kv_align``).
 KV_ALIGN = 64
 
-_memo: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, int]]" = weakref.WeakKeyDictionary()
+_memo: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, tuple[int, bool]]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -159,38 +159,44 @@ def verify_rows(model, candidates: Sequence[int] = CANDIDATES) -> int:
     """The multiple of query tokens per row a verify pass pads to, so that drafts agree with
     plain decoding of ``model``: 1 in float32; otherwise the smallest of ``candidates`` that
     :func:`probe` finds invariant (1 where none is), measured once per model, dtype and
-    thread count in a process, with one warning that low-precision verification is
+    thread count in a process, with one warning where low-precision verification is
     approximate (:func:`is_exact`)."""
+    return _probed(model, tuple(candidates))[0]
+
+
+def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, bool]:
+    """(rows to pad to, whether some candidate passed the probe), measured once per model,
+    dtype, device and thread count; warns once where the result is approximate."""
     geo = adapter.geometry(model)
     if geo.dtype == torch.float32:
-        return 1
-    key = (geo.dtype, geo.device, torch.get_num_threads(), tuple(candidates))
+        return 1, True
+    key = (geo.dtype, geo.device, torch.get_num_threads(), candidates)
     with _lock:
         known = _memo.setdefault(model, {})
-        if key not in known:
-            align = kv_align(model)
-            full = next((r for r in candidates if probe(model, r, align)), None)
-            # a negative entry: no candidate passed (1 row is used)
-            known[key] = full if full is not None else -1
-            windows = any(w is not None for w in adapter.layer_windows(model))
-            if full is not None and ordered(model) and not windows:
-                return known[key]
-            if full is None:
-                why = f"none of {list(candidates)} query rows per step gave bit-identical logits on this machine"
-            elif ordered(model):
-                why = ("its sliding-window layers trim entries by what each step accepted, so a token's keys "
-                       "do not sit where a plain step's would")
-            else:
-                why = (f"padded to {full} query rows per step it passed the invariance probe, but without ordered "
-                       "attention (see accel.invariance) draft trees can still differ from plain decoding in the "
-                       "last bits")
-            warnings.warn(
-                f"accel: {geo.dtype} verification of {type(model).__name__} is approximate: {why}"
-                "; greedy speculative output may differ from plain decoding",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return abs(known[key])
+        if key in known:
+            return known[key]
+        use_ordered = ordered(model)
+        full = next((r for r in candidates if probe(model, r, kv_align(model))), None)
+        known[key] = (full or 1, full is not None)
+        windows = any(w is not None for w in adapter.layer_windows(model))
+        if full is None:
+            why = f"none of {list(candidates)} query rows per step gave bit-identical logits on this machine"
+        elif not use_ordered:
+            why = (f"padded to {full} query rows per step it passed the invariance probe, but without ordered "
+                   "attention (see accel.invariance) draft trees can still differ from plain decoding in the "
+                   "last bits")
+        elif windows:
+            why = ("its sliding-window layers trim entries by what each step accepted, so a token's keys "
+                   "do not sit where a plain step's would")
+        else:
+            return known[key]
+        warnings.warn(
+            f"accel: {geo.dtype} verification of {type(model).__name__} is approximate: {why}"
+            "; greedy speculative output may differ from plain decoding",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return known[key]
 
 
 def ordered(model) -> bool:
@@ -227,15 +233,7 @@ def is_exact(model) -> bool:
         return True
     if not ordered(model) or any(w is not None for w in adapter.layer_windows(model)):
         return False
-    with _lock:
-        known = _memo.get(model, {})
-        key = (geo.dtype, geo.device, torch.get_num_threads(), tuple(CANDIDATES))
-        passed = known.get(key)
-    if passed is None:
-        verify_rows(model)
-        with _lock:
-            passed = _memo[model][key]
-    return passed > 0
+    return _probed(model)[1]
 
 
 def _main() -> None:  # python -m accel.invariance [dtype]: which row counts are invariant here

@@ -53,17 +53,20 @@ class Layout:
     lengths: committed entries per row (columns ``0 .. n_b - 1``).
     pending: entries earlier forwards appended since the last commit, at columns
         ``max(lengths) ..``, seen by every new token.
-    start: column of this forward's first new entry (``max(lengths) + pending``).
     tree: BoolTensor [B, T, T], True where new token i sees new token j (its ancestors and
         itself; ancestors come before their descendants).
     """
 
     lengths: tuple[int, ...]
     pending: int
-    start: int
     tree: torch.Tensor
     # what every layer of the forward with this layout derives alike (tail columns, masks)
     memo: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def start(self) -> int:
+        """Column of this forward's first new entry."""
+        return max(self.lengths) + self.pending
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

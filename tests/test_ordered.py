@@ -46,7 +46,7 @@ def _case(lengths, pending, parents, heads_kv=3, groups=3, d=64, per_head=False,
         for h in range(heads_kv):
             allowed[:, h * groups:(h + 1) * groups, :, 3 + h] = False
     mask = torch.zeros(allowed.shape, dtype=torch.bfloat16).masked_fill(~allowed, LOW)
-    return q, k, v, mask, Layout(tuple(lengths), pending, start, tree)
+    return q, k, v, mask, Layout(tuple(lengths), pending, tree)
 
 
 def _sdpa(q, k, v, mask, scale):
@@ -83,12 +83,12 @@ def test_a_node_gets_the_plain_steps_numbers_bit_for_bit(gather, monkeypatch):
     k2 = torch.cat([k[:, :, :n], k[:, :, [n + p for p in path]]], dim=2)[:1]  # row 0 alone, path committed
     v2 = torch.cat([v[:, :, :n], v[:, :, [n + p for p in path]]], dim=2)[:1]
     mask2 = torch.zeros(1, 1, 1, n + 3, dtype=torch.bfloat16)
-    plain = attend(q[:1, :, 4:5], k2, v2, mask2, Layout((n + 2,), 0, n + 2, torch.ones(1, 1, 1, dtype=torch.bool)), 0.125)
+    plain = attend(q[:1, :, 4:5], k2, v2, mask2, Layout((n + 2,), 0, torch.ones(1, 1, 1, dtype=torch.bool)), 0.125)
     assert torch.equal(plain[0, 0], tree_out[0, 4])
     # garbage in the siblings' and the other row's entries does not move it either
     k[:, :, n + 1] += 3
     k[1] -= 1
-    assert torch.equal(attend(q, k, v, mask, Layout(layout.lengths, 0, layout.start, layout.tree), 0.125)[0, 4],
+    assert torch.equal(attend(q, k, v, mask, Layout(layout.lengths, 0, layout.tree), 0.125)[0, 4],
                        tree_out[0, 4])
 
 
