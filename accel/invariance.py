@@ -9,7 +9,9 @@ greedy tokens. Two measures, in low precision:
 
 - **Attention** is :mod:`accel.ordered`'s wherever :func:`ordered` holds (the model's
   attention is sdpa or flash-attention without soft-capping or sinks, and this machine's
-  float32 products pass :func:`accel.ordered.probe`): each query's attention is computed
+  float32 products pass :func:`accel.ordered.probe`; MKL's default AVX2 path on an AMD EPYC
+  Zen 3 does not, and passes with ``MKL_CBWR=AVX2`` set before the process starts, at no
+  measured cost to its float32 linears): each query's attention is computed
   from its own keys in logical order, so a node's key sitting after its siblings' in a tree,
   not next to its ancestors' as in a plain step, changes nothing. Otherwise attention is sdpa
   with each layer's cache columns padded (masked) to a multiple of :data:`KV_ALIGN`, which
@@ -185,6 +187,9 @@ def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, bool]
             why = (f"padded to {full} query rows per step it passed the invariance probe, but without ordered "
                    "attention (see accel.invariance) draft trees can still differ from plain decoding in the "
                    "last bits")
+            if adapter.ordered_capable(model):
+                why += ("; this machine's float32 products failed accel.ordered.probe (with MKL on an AMD CPU, "
+                        "setting MKL_CBWR=AVX2 before the process starts makes them pass)")
         elif windows:
             why = ("its sliding-window layers trim entries by what each step accepted, so a token's keys "
                    "do not sit where a plain step's would")

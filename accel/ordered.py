@@ -19,11 +19,20 @@ product of fixed shape D + 1 x 64). Blocks are then merged with a common max and
 sequential sum (``cumsum``: one accumulator, block order). Blocks below the row's last full
 block of committed entries are read in place (one product for all queries of the row);
 the rest, the *tail* (under 64 committed entries, the earlier entries, the query's
-ancestors), is gathered per query. A block gives the same numbers on either path: the
-products' only free dimension is the number of queries, and :func:`probe` checks once per
-head size and process that this machine's kernels give a query's column the same result
-whatever that number is (true of the Intel Xeon's MKL; a single matrix-vector product is
-the exception, so a lone query column is doubled).
+ancestors), is gathered per query. A block gives the same numbers on either path where
+this machine's kernels allow it, which :func:`probe` and :func:`probe_widths` check once per
+head size and process:
+
+- the tail's products have a fixed shape (64 keys x D by the G query heads of one KV head);
+  only the number of matrices in the batch varies. :func:`probe` checks that a matrix's
+  result does not depend on it: ordered attention is used only where it passes;
+- the direct path's products take all G * T queries of a row at once, so their width varies
+  with T. :func:`probe_widths` checks that a query's column does not depend on the width
+  (true of the Intel Xeons' MKL; not of MKL's AVX2 path on an AMD EPYC Zen 3, where widths
+  of 5 and more sum in another order). Where it fails every query's keys are gathered: the
+  same numbers, at the cost of a float32 copy per query at long context.
+
+A single matrix-vector product is the exception on MKL, so a lone column is doubled.
 
 Everything is float32 from bf16/fp16 inputs (products of two bf16 numbers are exact in
 float32); the output is cast back. It agrees with sdpa to float32 rounding (tested), and
@@ -37,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BLOCK", "Layout", "attend", "probe"]
+__all__ = ["BLOCK", "Layout", "attend", "probe", "probe_widths"]
 
 #: Keys per block of virtual columns.
 BLOCK = 64
@@ -94,19 +103,21 @@ def _augmented(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def direct_blocks(layout: Layout) -> int:
+def direct_blocks(layout: Layout, widths: bool = True) -> int:
     """Blocks of committed entries read in place (the same for every row; a row's blocks past
     its own full ones are masked there and gathered in its tail): 0 where gathering every
-    query's keys is small (under :data:`GATHER` entries), which saves the second path."""
+    query's keys is small (under :data:`GATHER` entries), which saves the second path, and
+    where the kernels' columns depend on the product's width (``widths`` False:
+    :func:`probe_widths`)."""
     n = max(layout.lengths)
-    return 0 if n * layout.tree.shape[-1] <= GATHER else n // BLOCK
+    return 0 if not widths or n * layout.tree.shape[-1] <= GATHER else n // BLOCK
 
 
-def _tail_columns(layout: Layout, device) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Storage columns of every query's tail, in virtual order: (columns [B, T, W], valid
-    [B, T, W], W) with W a multiple of BLOCK; invalid slots point at column 0."""
+def _tail_columns(layout: Layout, nd: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Storage columns of every query's tail past ``nd`` direct blocks, in virtual order:
+    (columns [B, T, W], valid [B, T, W], W) with W a multiple of BLOCK; invalid slots point
+    at column 0."""
     n = torch.tensor(layout.lengths, device=device)
-    nd = direct_blocks(layout)
     first = (n // BLOCK).clamp(max=nd) * BLOCK  # [B] virtual column where the tail starts
     left = (n - first)[:, None, None]  # committed entries in the tail
     tree = layout.tree
@@ -134,7 +145,7 @@ def _memo(layout: Layout, key, make):
     return found
 
 
-def _masks(mask: torch.Tensor, layout: Layout, hkv: int, g: int, cols: torch.Tensor, valid: torch.Tensor
+def _masks(mask: torch.Tensor, layout: Layout, nd: int, hkv: int, g: int, cols: torch.Tensor, valid: torch.Tensor
            ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The mask, float32, laid out as the direct scores [B, H_kv or 1, nd, BLOCK, G or 1, T]
     (blocks past a row's own full ones masked: they are in its tail) and as the tail scores
@@ -142,7 +153,6 @@ def _masks(mask: torch.Tensor, layout: Layout, hkv: int, g: int, cols: torch.Ten
     b, heads, t, _ = mask.shape
     low = torch.finfo(mask.dtype).min
     mg = (hkv, g) if heads == hkv * g else (1, 1)
-    nd = direct_blocks(layout)
     direct = [min(n // BLOCK, nd) for n in layout.lengths]
     m_direct = None
     if nd:
@@ -170,10 +180,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     g = hq // hkv
     q = query.float()
     tops, sums = [], []
-    cols, valid, w = _memo(layout, "tail", lambda: _tail_columns(layout, query.device))
-    m_direct, m_tail = _memo(layout, ("mask", id(mask), hkv, g), lambda: _masks(mask, layout, hkv, g, cols, valid))
+    nd = direct_blocks(layout, probe_widths(d, g))
+    cols, valid, w = _memo(layout, ("tail", nd), lambda: _tail_columns(layout, nd, query.device))
+    m_direct, m_tail = _memo(layout, ("mask", id(mask), nd, hkv, g),
+                             lambda: _masks(mask, layout, nd, hkv, g, cols, valid))
 
-    nd = direct_blocks(layout)
     if nd:  # every row's full blocks of committed entries, read in place
         width = nd * BLOCK
         keys = key[:, :, :width].float().reshape(b, hkv, nd, BLOCK, d)
@@ -207,17 +218,43 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, hq, d).to(query.dtype)
 
 
+def _data(head_dim: int, count: int):
+    """Random bf16-valued operands of both products: keys [count, BLOCK, D], augmented values
+    [count, D + 1, BLOCK], query columns [count, D, 40] and weights [count, BLOCK, 40]."""
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(count, BLOCK, head_dim, generator=gen).bfloat16().float()
+    vals = _augmented(torch.randn(count, BLOCK, head_dim, generator=gen).bfloat16().float())
+    cols = torch.randn(count, head_dim, 40, generator=gen).bfloat16().float()
+    weights = torch.rand(count, BLOCK, 40, generator=gen)
+    return keys, vals, cols, weights
+
+
 @functools.cache
 def probe(head_dim: int, groups: int) -> bool:
-    """Whether this machine's float32 products give a query column the same numbers
-    whatever the number of other columns and of matrices in the batch (the one property
-    :func:`attend` needs of its kernels), for keys of ``head_dim`` and ``groups`` query heads
-    per KV head: checked once per process on random bf16-valued data."""
-    gen = torch.Generator().manual_seed(0)
-    keys = torch.randn(9, BLOCK, head_dim, generator=gen).bfloat16().float()
-    vals = _augmented(torch.randn(9, BLOCK, head_dim, generator=gen).bfloat16().float())
-    cols = torch.randn(9, head_dim, 40, generator=gen).bfloat16().float()
-    weights = torch.rand(9, BLOCK, 40, generator=gen)
+    """Whether this machine's float32 products of the tail's shape (keys of ``head_dim`` by
+    the ``groups`` query heads of one KV head) give a matrix the same numbers whatever the
+    number of other matrices in the batch (the property :func:`attend` needs of its
+    kernels): checked once per process on random bf16-valued data."""
+    g = min(groups, 40)
+    keys, vals, cols, weights = _data(head_dim, 40)
+    ref_s = _mm(keys[:1], cols[:1, :, :g])[0]
+    ref_o = _mm(vals[:1], weights[:1, :, :g])[0]
+    for batch in (2, 3, 9, 40):
+        k, v, c, wt = keys[:batch].clone(), vals[:batch].clone(), cols[:batch, :, :g].clone(), weights[:batch, :, :g].clone()
+        k[-1], v[-1], c[-1], wt[-1] = keys[0], vals[0], cols[0, :, :g], weights[0, :, :g]
+        if not (torch.equal(_mm(k, c)[-1], ref_s) and torch.equal(_mm(v, wt)[-1], ref_o)):
+            return False
+    return True
+
+
+@functools.cache
+def probe_widths(head_dim: int, groups: int) -> bool:
+    """Whether, beyond :func:`probe`, a query's column of those products is the same whatever
+    the number of other columns (the direct path's products are G * T queries wide):
+    checked once per process on random bf16-valued data."""
+    if not probe(head_dim, groups):
+        return False
+    keys, vals, cols, weights = _data(head_dim, 9)
     ref_s = _mm(keys[:1], cols[:1, :, :1])[0, :, 0]
     ref_o = _mm(vals[:1], weights[:1, :, :1])[0, :, 0]
     for n in sorted({1, 2, groups, 3 * groups, 8 * groups, 40}):
