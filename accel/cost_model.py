@@ -8,7 +8,8 @@ linear kernels: plain (row-major weights, as transformers stores them), transpos
 choices with hand-made tables.
 
 - :attr:`CostTable.transposed` says whether to store the weights column-major (it costs no
-  memory; :func:`weight_layout` decides from the geometric mean over the grid).
+  memory; :func:`weight_layout` decides from the geometric mean over the grid, each layout
+  with packed kernels where they beat it).
 - :attr:`CostTable.packed_rows` is the window of query tokens per pass (rows of every linear
   layer) where packed kernels beat that layout on this machine, or None; ``accel.load_model``
   packs the model to run packed inside it (:func:`accel.cpu.prepack`), unpacked outside.
@@ -177,20 +178,52 @@ class CostTable:
 
 
 def weight_layout(kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> str:
-    """``"transposed"`` (store the linear weights column-major) when the transposed kernels'
-    passes are at least :data:`LAYOUT_MARGIN` faster than plain ones on the geometric mean of
-    every measured point, else ``"plain"`` (also when either is missing).
+    """``"transposed"`` (store the linear weights column-major) when the passes a model so
+    loaded runs are at least :data:`LAYOUT_MARGIN` faster than with row-major weights on the
+    geometric mean of every measured point, else ``"plain"`` (also when either is missing).
+    Each layout is judged with the packed kernels where they beat it (:func:`packed_rows`'s
+    window for that layout): the layout and the window are one choice.
 
     The geometric mean weighs a pass of one token as much as one of 64: a layout is chosen
     once for every pass, and which passes a model will run (one row decoding, batches,
     drafts) is not known when it is loaded. On the Intel Xeon without AMX the transposed
     passes were 23-46% faster for 4-32 tokens, 5% slower for one and 20% slower for two
-    (``accel calibrate``, 256 cached entries)."""
+    (``accel calibrate``, 256 cached entries). On an AMD EPYC (Zen 3) packed kernels won for
+    2-64 tokens against either layout, and for one token transposed weights beat both
+    (49 ms against 59 packed and 59 plain at 256 cached entries): judged alone, transposed
+    weights lost there (slower for 4-64 tokens), but beside the packed window they win."""
     plain, transposed = kernel_ms.get("plain"), kernel_ms.get("transposed")
     if not plain or not transposed:
         return "plain"
-    logs = [math.log(t / p) for prow, trow in zip(plain, transposed) for p, t in zip(prow, trow)]
+    cost = {name: _with_packed(grid, kernel_ms.get("packed")) for name, grid in (("plain", plain),
+                                                                                  ("transposed", transposed))}
+    logs = [math.log(t / p) for prow, trow in zip(cost["plain"], cost["transposed"]) for p, t in zip(prow, trow)]
     return "transposed" if logs and sum(logs) / len(logs) < math.log(1.0 - LAYOUT_MARGIN) else "plain"
+
+
+def _window(packed: tuple[tuple[float, ...], ...] | None, base: tuple[tuple[float, ...], ...]
+            ) -> tuple[int, int] | None:
+    """Indices (first, last) of the longest run of consecutive token counts where ``packed``
+    is below ``base`` at every cache length (the larger counts on a tie), or None."""
+    if not packed:
+        return None
+    wins = [all(prow[t] < qrow[t] for prow, qrow in zip(packed, base)) for t in range(len(base[0]))]
+    runs = []  # (first, last) index of each run of consecutive wins
+    for won, group in itertools.groupby(range(len(wins)), key=wins.__getitem__):
+        if won:
+            idx = list(group)
+            runs.append((idx[0], idx[-1]))
+    return max(runs, key=lambda r: (r[1] - r[0], r[0])) if runs else None  # the longest; on a tie the larger counts
+
+
+def _with_packed(base: tuple[tuple[float, ...], ...], packed: tuple[tuple[float, ...], ...] | None
+                 ) -> tuple[tuple[float, ...], ...]:
+    """``base``'s passes with packed ones inside its window (:func:`_window`)."""
+    window = _window(packed, base)
+    if window is None:
+        return base
+    return tuple(tuple(p if window[0] <= t <= window[1] else q for t, (p, q) in enumerate(zip(prow, qrow)))
+                 for prow, qrow in zip(packed, base))
 
 
 def packed_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple[float, ...], ...]]
@@ -204,18 +237,10 @@ def packed_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple
     One window, not a pattern: oneDNN's packed layout pays once a call multiplies enough
     rows to amortise it, until the plain GEMM's own blocking takes over for many rows; a
     lone count where packed wins amid ones where it loses is noise."""
-    packed, plain = kernel_ms.get("packed"), kernel_ms.get(weight_layout(kernel_ms))
-    if not packed or not plain:
+    base = kernel_ms.get(weight_layout(kernel_ms))
+    best = _window(kernel_ms.get("packed"), base) if base else None
+    if best is None:
         return None
-    wins = [all(prow[t] < qrow[t] for prow, qrow in zip(packed, plain)) for t in range(len(kernel_tokens))]
-    runs = []  # (first, last) index of each run of consecutive wins
-    for won, group in itertools.groupby(range(len(wins)), key=wins.__getitem__):
-        if won:
-            idx = list(group)
-            runs.append((idx[0], idx[-1]))
-    if not runs:
-        return None
-    best = max(runs, key=lambda r: (r[1] - r[0], r[0]))  # the longest; on a tie the larger counts
     last = None if best[1] == len(kernel_tokens) - 1 else kernel_tokens[best[1]]
     return kernel_tokens[best[0]], last
 

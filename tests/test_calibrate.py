@@ -222,6 +222,15 @@ def test_weight_layout_is_transposed_where_it_wins_on_the_geometric_mean():
     assert mixed.packed_rows == (1, 2) and mixed.kernels == "packed for 1-2 tokens, transposed otherwise"
     assert layout([11.0, 13.0, 22.0, 44.0], packed=[8.0, 13.0, 15.0, 30.0]).packed_rows == (8, None)
     assert weight_layout({"plain": ((1.0,),)}) == "plain" and not static_table().transposed
+    # the AMD EPYC (Zen 3)'s shape: transposed weights win only for one token and lose alone,
+    # packed kernels win for the rest against either: transposed beside the packed window
+    zen3 = [8.3, 12.0, 24.0, 46.0]
+    assert not layout(zen3).transposed
+    both = layout(zen3, packed=[10.0, 9.5, 17.0, 34.0])
+    assert both.transposed and both.packed_rows == (2, None)
+    assert both.kernels == "packed for 2-any tokens, transposed otherwise"
+    # ... unless the one-token gain is within the margin
+    assert not layout([9.8, 12.0, 24.0, 46.0], packed=[10.0, 9.5, 17.0, 34.0]).transposed
 
 
 def test_a_table_is_read_for_the_kernels_the_model_runs():
