@@ -38,7 +38,7 @@ from .cost_model import CostTable, static_table
 __all__ = ["calibration_enabled", "calibration_key", "calibration_path", "cost_table", "load_table",
            "prefer_int8", "save_table", "step_costs"]
 
-_FORMAT = 4  # bump when the measurement changes meaning: older files are then re-measured
+_FORMAT = 5  # bump when the measurement changes meaning: older files are then re-measured
 _OFF = {"off", "0", "false", "no"}
 _ON = {"", "on", "1", "true", "yes", "auto"}
 
@@ -183,12 +183,12 @@ def cost_table(
 
 def step_costs(model) -> CostTable:
     """:func:`cost_table` for ``model`` with the linear kernels it runs now
-    (:meth:`CostTable.run_with`: column-major weights or not, its packed window): what the
-    engine sizes drafts by. Only a model loaded by :func:`accel.load_model` runs the kernels
-    the measurement chose; one loaded by plain transformers runs plain ones."""
-    from .cpu import is_transposed, packed_window
+    (:meth:`CostTable.run_with`: column-major weights or not, its packed and split windows):
+    what the engine sizes drafts by. Only a model loaded by :func:`accel.load_model` runs the
+    kernels the measurement chose; one loaded by plain transformers runs plain ones."""
+    from .cpu import is_transposed, packed_window, split_rows
 
-    return cost_table(model).run_with(is_transposed(model), packed_window(model))
+    return cost_table(model).run_with(is_transposed(model), packed_window(model), split_rows(model))
 
 
 # ---------------------------------------------------------------------------- int8 drafts

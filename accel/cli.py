@@ -171,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=_train_heads, parser=t)
 
     c = sub.add_parser("calibrate", help="measure verify-pass costs on this machine and cache them",
-                       description="Time verify passes of the model (plain and packed linear kernels, a grid of "
+                       description="Time verify passes of the model (plain, transposed, packed and split linear kernels, a grid of "
                        "query tokens x cached entries) and cache the table that accel's cost-based choices read. "
                        "Runs once per model, device, dtype, threads and machine; later calls read the cache.")
     c.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local folder or a .gguf file")

@@ -31,10 +31,10 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-__all__ = ["CostTable", "DraftCost", "DraftGuard", "acceptance_gains", "allocate_drafts", "in_window", "packed_rows",
-           "static_table", "weight_layout"]
+__all__ = ["CostTable", "DraftCost", "DraftGuard", "acceptance_gains", "allocate_drafts", "chosen_kernels", "in_window",
+           "packed_rows", "split_rows", "static_table", "weight_layout"]
 
-KERNELS = ("plain", "transposed", "packed")
+KERNELS = ("plain", "transposed", "packed", "split")
 #: Column-major weights are chosen only when their passes are this much faster on the
 #: geometric mean of the grid: a layout is one choice for every pass, and a tie is noise.
 LAYOUT_MARGIN = 0.03
@@ -110,6 +110,12 @@ class CostTable:
         return packed_rows(self.kernel_tokens, self.kernel_ms)
 
     @property
+    def split_rows(self) -> int:
+        """Up to how many query tokens per pass the split kernel (:func:`accel.cpu.split_linear`)
+        beats every other choice here (see :func:`split_rows`); 0: never."""
+        return split_rows(self.kernel_tokens, self.kernel_ms)
+
+    @property
     def prefer_prepack(self) -> bool:
         """Whether to pack the model's linear layers (:func:`accel.cpu.prepack`) at all: packed
         kernels won for the passes of :attr:`packed_rows`."""
@@ -118,30 +124,33 @@ class CostTable:
     @property
     def kernels(self) -> str:
         """Which kernels the grid's passes ran with: ``"plain"``, ``"transposed"``,
-        ``"packed"``, or e.g. ``"packed for 4-32 tokens, plain otherwise"``."""
+        ``"packed"``, or e.g. ``"packed for 4-32 tokens, plain otherwise"`` or ``"split for 1
+        token, packed otherwise"``."""
         base = weight_layout(self.kernel_ms)
-        window = self.packed_rows
-        if window is None:
-            return base
-        lo, hi = window
-        if lo <= self.tokens[0] and hi is None:
-            return "packed"
-        return f"packed for {lo}-{hi if hi is not None else 'any'} tokens, {base} otherwise"
+        window, split = self.packed_rows, self.split_rows
+        parts = [f"split for {'1 token' if split == 1 else f'1-{split} tokens'}"] if split else []
+        if window is not None:
+            lo, hi = max(window[0], split + 1), window[1]
+            if hi is None and lo <= max(split + 1, self.tokens[0]):  # packed for every other pass
+                return ", ".join(parts + ["packed otherwise"]) if parts else "packed"
+            if hi is None or hi >= lo:
+                parts.append(f"packed for {lo}-{hi if hi is not None else 'any'} tokens")
+        return ", ".join(parts + [f"{base} otherwise"]) if parts else base
 
-    def run_with(self, transposed: bool, window: tuple[int, int | None] | None) -> "CostTable":
+    def run_with(self, transposed: bool, window: tuple[int, int | None] | None, split: int = 0) -> "CostTable":
         """This table for a model whose linear weights are column-major (``transposed``) or
-        not, and packed for the passes of ``window`` (None: never): ``ms`` rebuilt from
-        :attr:`kernel_ms` with the kernels that model runs. A model loaded by plain
-        transformers rather than :func:`accel.load_model` runs plain kernels whatever this
-        machine measured fastest, and its drafts must be sized by what its passes cost. The
-        table itself where it already describes those kernels, or lacks the measurements."""
+        not, packed for the passes of ``window`` (None: never) and split for passes of at most
+        ``split`` tokens: ``ms`` rebuilt from :attr:`kernel_ms` with the kernels that model
+        runs. A model loaded by plain transformers rather than :func:`accel.load_model` runs
+        plain kernels whatever this machine measured fastest, and its drafts must be sized by
+        what its passes cost. The table itself where it already describes those kernels, or
+        lacks the measurements."""
         layout = "transposed" if transposed else "plain"
-        if (layout, window) == (weight_layout(self.kernel_ms), self.packed_rows):
+        if (layout, window, split) == (weight_layout(self.kernel_ms), self.packed_rows, self.split_rows):
             return self
-        needed = {layout} | ({"packed"} if window is not None else set())
-        if self.kernel_tokens != self.tokens or not needed <= set(self.kernel_ms):
+        chosen = chosen_kernels(self.tokens, layout, window, split)
+        if self.kernel_tokens != self.tokens or not set(chosen) <= set(self.kernel_ms):
             return self
-        chosen = ["packed" if in_window(n, window) else layout for n in self.tokens]
         ms = [[self.kernel_ms[chosen[t]][c][t] for t in range(len(self.tokens))] for c in range(len(self.cache_lens))]
         return replace(self, ms=monotone(ms))
 
@@ -195,8 +204,8 @@ def weight_layout(kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> str:
     plain, transposed = kernel_ms.get("plain"), kernel_ms.get("transposed")
     if not plain or not transposed:
         return "plain"
-    cost = {name: _with_packed(grid, kernel_ms.get("packed")) for name, grid in (("plain", plain),
-                                                                                  ("transposed", transposed))}
+    cost = {"plain": _with_split(_with_packed(plain, kernel_ms.get("packed")), kernel_ms.get("split")),
+            "transposed": _with_packed(transposed, kernel_ms.get("packed"))}
     logs = [math.log(t / p) for prow, trow in zip(cost["plain"], cost["transposed"]) for p, t in zip(prow, trow)]
     return "transposed" if logs and sum(logs) / len(logs) < math.log(1.0 - LAYOUT_MARGIN) else "plain"
 
@@ -224,6 +233,51 @@ def _with_packed(base: tuple[tuple[float, ...], ...], packed: tuple[tuple[float,
         return base
     return tuple(tuple(p if window[0] <= t <= window[1] else q for t, (p, q) in enumerate(zip(prow, qrow)))
                  for prow, qrow in zip(packed, base))
+
+
+def _split_prefix(split: tuple[tuple[float, ...], ...] | None, base: tuple[tuple[float, ...], ...]) -> int:
+    """How many of the first token counts ``split`` is below ``base`` at, every cache length
+    each (counting stops at the first where it is not)."""
+    if not split:
+        return 0
+    n = 0
+    while n < len(base[0]) and all(srow[n] < brow[n] for srow, brow in zip(split, base)):
+        n += 1
+    return n
+
+
+def _with_split(base: tuple[tuple[float, ...], ...], split: tuple[tuple[float, ...], ...] | None
+                ) -> tuple[tuple[float, ...], ...]:
+    """``base``'s passes with split ones for the token counts of :func:`_split_prefix`."""
+    n = _split_prefix(split, base)
+    if not n:
+        return base
+    return tuple(tuple(s if t < n else b for t, (s, b) in enumerate(zip(srow, brow))) for srow, brow in zip(split, base))
+
+
+def split_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> int:
+    """The most query tokens per pass up to which ``kernel_ms["split"]`` (one ``bmm`` over
+    the two halves of each weight, :func:`accel.cpu.split_linear`) is below row-major weights
+    with packed kernels in their window (:func:`packed_rows`) at every cache length, counted
+    from the fewest tokens and stopping at the first count where it is not; 0 where it loses
+    at the fewest, is missing, or the weights are stored column-major (:func:`weight_layout`;
+    the split kernel was measured on row-major ones).
+
+    A prefix, not a window: splitting pays where one product of few rows leaves a core idle
+    (on an AMD EPYC Zen 3, ``F.linear`` of one row), and stops paying once the rows fill both."""
+    split, plain = kernel_ms.get("split"), kernel_ms.get("plain")
+    if not split or not plain or weight_layout(kernel_ms) != "plain":
+        return 0
+    n = _split_prefix(split, _with_packed(plain, kernel_ms.get("packed")))
+    return kernel_tokens[n - 1] if n else 0
+
+
+def chosen_kernels(tokens: tuple[int, ...], layout: str, window: tuple[int, int | None] | None, split: int
+                   ) -> list[str]:
+    """The kernel a pass of each of ``tokens`` query tokens runs with: ``"split"`` up to
+    ``split`` tokens, else ``"packed"`` inside ``window`` (:func:`in_window`), else ``layout``
+    (what :class:`accel.cpu.PackedLinear` does, row by row)."""
+    return ["split" if n <= split else "packed" if in_window(n, window) else layout for n in tokens]
 
 
 def packed_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple[float, ...], ...]]

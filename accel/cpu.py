@@ -27,6 +27,18 @@ It is a no-op where oneDNN is missing or the layer is not a float32 CPU layer, a
 module falls back to ``F.linear`` whenever its input or weight has moved (another device
 or dtype) or gradients are needed.
 
+:func:`split_linear` is a third kernel for the fewest rows, and it costs no memory either: it
+views each weight as its two halves of output features and multiplies both by one
+``torch.bmm``, so two threads each read half the matrix. Where ``F.linear`` of one row leaves a
+core mostly idle (an AMD EPYC Zen 3, AVX2 only, 2 threads), a one-token pass of the default
+model took 43 ms split against 57 ms packed and 62 ms plain at 256 cached entries, 48 against
+59 and 62 ms at 2K (fastest of 20 alternating passes; the medians 49 / 65 / 70 and 60 / 71 /
+75), while for 2 and 4 tokens packed kernels won (``python benchmarks/linear_kernels.py --rows
+1 2 4 --repeats 5 --passes --rounds 20 --cached 256 2048``). A
+:class:`PackedLinear` runs it for inputs of at most ``split_rows`` rows, ahead of its packed
+window; the calibration measures it like the others and sets that prefix
+(:attr:`accel.cost_model.CostTable.split_rows`).
+
 :func:`transpose_weights` is the other lever, and it costs no memory: it stores each linear
 weight [out, in] column-major (the same values and shape, strides ``(1, out)``), so
 ``F.linear(x, W)`` multiplies ``x`` by a contiguous ``W.T`` instead of a transposed view, and
@@ -46,7 +58,7 @@ import torch
 from torch import nn
 
 __all__ = ["PackedLinear", "bf16_native", "is_prepacked", "is_transposed", "packed_window", "prepack",
-           "prepack_available", "transpose_weights", "unprepack", "untranspose_weights"]
+           "prepack_available", "split_linear", "split_rows", "transpose_weights", "unprepack", "untranspose_weights"]
 
 _ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; 1-16 rows all run fast in it
 
@@ -108,6 +120,26 @@ def bf16_native() -> bool:
             return False
 
 
+def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as one ``torch.bmm`` over the two halves of the output
+    features. x: [..., in], weight: [out, in] (out even), bias: [out] or None -> [..., out].
+
+    For one or a few rows, ``F.linear`` is a matrix-vector product that the BLAS may run on
+    one core; the two halves of ``weight`` are two independent products, one per thread,
+    and each reads half the weights (see the module docstring for what that gained on an AMD
+    EPYC Zen 3). :mod:`accel.calibrate` measures it like the other kernels. The weight is only
+    viewed, never copied; the sums are the same dot products in another order (float32
+    rounding)."""
+    rows = x.numel() // x.shape[-1]
+    out_features, in_features = weight.shape
+    halves = weight.view(2, out_features // 2, in_features)
+    cols = x.reshape(rows, in_features).t().unsqueeze(0).expand(2, in_features, rows)
+    out = torch.bmm(halves, cols).permute(2, 0, 1).reshape(rows, out_features)
+    if bias is not None:
+        out = out + bias
+    return out.reshape(*x.shape[:-1], out_features)
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` whose weight oneDNN packed once. x: [..., in] -> [..., out].
 
@@ -117,13 +149,14 @@ class PackedLinear(nn.Module):
     any other runs as ``F.linear``.
     """
 
-    def __init__(self, linear: nn.Linear, min_rows: int = 1, max_rows: int | None = None) -> None:
+    def __init__(self, linear: nn.Linear, min_rows: int = 1, max_rows: int | None = None, split_rows: int = 0) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
         self.min_rows, self.max_rows = _check_rows(min_rows, max_rows)
+        self.split_rows = _check_split(split_rows)
         self._repack()
 
     @classmethod
@@ -135,7 +168,7 @@ class PackedLinear(nn.Module):
         nn.Module.__init__(layer)
         layer.in_features, layer.out_features = int(weight.shape[1]), int(weight.shape[0])
         layer.weight, layer.bias = weight, bias
-        layer.min_rows, layer.max_rows = 1, None
+        layer.min_rows, layer.max_rows, layer.split_rows = 1, None, 0
         layer._repack()
         return layer
 
@@ -158,6 +191,7 @@ class PackedLinear(nn.Module):
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
+        self.__dict__.setdefault("split_rows", 0)  # pickled before the split window existed
         self._repack()
 
     def _weight_key(self) -> tuple:
@@ -176,32 +210,48 @@ class PackedLinear(nn.Module):
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         )
 
+    def _splittable(self, x: torch.Tensor) -> bool:
+        w = self.weight
+        return (
+            self.out_features % 2 == 0
+            and x.device.type == "cpu" == w.device.type
+            and x.dtype == w.dtype == torch.float32
+            and (self.bias is None or self.bias.dtype == w.dtype)
+            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+        )
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        if rows <= self.split_rows and self._splittable(x):
+            return split_linear(x, self.weight, self.bias)
         if rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows) or not self._usable(x):
             return nn.functional.linear(x, self.weight, self.bias)
         out = _packed_linear(x.reshape(-1, self.in_features), self._packed, self.bias)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        split = f", split for 1-{self.split_rows} rows" if self.split_rows else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " + (
-            (f"packed for {self.min_rows}-{self.max_rows or 'any'} rows" if self._packed is not None else "not packed"))
+            (f"packed for {self.min_rows}-{self.max_rows or 'any'} rows" if self._packed is not None else "not packed")) + split
 
 
-def prepack(model: nn.Module, min_rows: int = 1, max_rows: int | None = None) -> nn.Module:
+def prepack(model: nn.Module, min_rows: int = 1, max_rows: int | None = None, split_rows: int = 0) -> nn.Module:
     """Swap each float32 CPU ``nn.Linear`` of ``model`` (output head included) for a
     :class:`PackedLinear` that runs packed for inputs of ``min_rows`` to ``max_rows`` rows
-    (the defaults: always) and plain otherwise, in place, and return ``model``.
+    (the defaults: always) and plain otherwise, in place, and return ``model``. Inputs of at
+    most ``split_rows`` rows (default 0: none) run :func:`split_linear` instead, whatever the
+    packed window says.
 
     A no-op where :func:`prepack_available` is false; layers on another device or dtype are
-    left alone. Calling it again on a packed model only sets the window of rows.
+    left alone. Calling it again on a packed model only sets the windows of rows.
     """
     _check_rows(min_rows, max_rows)
+    _check_split(split_rows)
     if not prepack_available():
         return model
     for m in model.modules():
         if isinstance(m, PackedLinear):
-            m.min_rows, m.max_rows = min_rows, max_rows
+            m.min_rows, m.max_rows, m.split_rows = min_rows, max_rows, split_rows
     targets = [
         (name, m)
         for name, m in model.named_modules()
@@ -210,7 +260,7 @@ def prepack(model: nn.Module, min_rows: int = 1, max_rows: int | None = None) ->
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(module, min_rows, max_rows))
+        setattr(parent, child, PackedLinear(module, min_rows, max_rows, split_rows))
     return model
 
 
@@ -223,6 +273,18 @@ def _check_rows(min_rows: int, max_rows: int | None) -> tuple[int, int | None]:
     if max_rows is not None and not (whole(max_rows) and max_rows >= min_rows):
         raise ValueError(f"max_rows must be None or an integer >= min_rows ({min_rows}), got {max_rows!r}")
     return min_rows, max_rows
+
+
+def _check_split(split_rows: int) -> int:
+    if not (isinstance(split_rows, int) and not isinstance(split_rows, bool) and split_rows >= 0):
+        raise ValueError(f"split_rows must be an integer >= 0, got {split_rows!r}")
+    return split_rows
+
+
+def split_rows(model: nn.Module) -> int:
+    """Up to how many rows ``model``'s packed layers run :func:`split_linear` (0: never, also
+    for a model :func:`prepack` did not swap)."""
+    return next((m.split_rows for m in model.modules() if isinstance(m, PackedLinear)), 0)
 
 
 def is_prepacked(model: nn.Module) -> bool:

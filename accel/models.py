@@ -539,8 +539,10 @@ def _prepacked(model, prepack: bool | Literal["auto"]):
     ``"auto"``, use the linear kernels the calibration of this model on this machine measured
     fastest (measured on first use, then cached): weights stored column-major where that won
     (:attr:`CostTable.transposed`, :func:`accel.cpu.transpose_weights`), and packed for the
-    numbers of query tokens where packed kernels beat that (:attr:`CostTable.packed_rows`).
-    With ``ACCEL_CALIBRATION=off`` the model is left as loaded."""
+    numbers of query tokens where packed kernels beat that (:attr:`CostTable.packed_rows`),
+    split (:func:`accel.cpu.split_linear`) for passes of the fewest tokens where that beat
+    both (:attr:`CostTable.split_rows`; only inside packed layers). With
+    ``ACCEL_CALIBRATION=off`` the model is left as loaded."""
     from .cpu import prepack as _prepack
     from .cpu import prepack_available, transpose_weights
 
@@ -556,7 +558,7 @@ def _prepacked(model, prepack: bool | Literal["auto"]):
         window = table.packed_rows
         if window is None or not prepack_available():
             return model
-        return _prepack(model, min_rows=window[0], max_rows=window[1])
+        return _prepack(model, min_rows=window[0], max_rows=window[1], split_rows=table.split_rows)
     if not isinstance(prepack, bool):
         raise ValueError(f"prepack must be True, False or 'auto', got {prepack!r}")
     return _prepack(model) if prepack else model

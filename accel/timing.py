@@ -21,7 +21,7 @@ import torch
 
 from . import adapter
 from .cache import SharedCache
-from .cost_model import KERNELS, CostTable, in_window, monotone, packed_rows, weight_layout
+from .cost_model import KERNELS, CostTable, chosen_kernels, monotone, packed_rows, split_rows, weight_layout
 from .cpu import (PackedLinear, is_prepacked, is_transposed, prepack, prepack_available, transpose_weights, unprepack,
                   untranspose_weights)
 
@@ -39,8 +39,9 @@ def linear_kernels(model) -> Iterator[Callable[[str], None]]:
     """Inside the block, ``use(kernel)`` runs ``model``'s linear layers on one of
     :data:`~accel.cost_model.KERNELS`: ``"plain"`` (row-major weights, ``F.linear``, as
     transformers runs them), ``"transposed"`` (column-major weights,
-    :func:`accel.cpu.transpose_weights`) or ``"packed"`` (:func:`accel.cpu.prepack`, for
-    every pass whatever its window was). Modules are swapped by reference (the weights are
+    :func:`accel.cpu.transpose_weights`), ``"packed"`` (:func:`accel.cpu.prepack`, for
+    every pass whatever its window was) or ``"split"`` (:func:`accel.cpu.split_linear` on
+    row-major weights, for every pass). Modules are swapped by reference (the weights are
     packed on entry, and again when a layout change made the packed copies stale); on exit the
     model is as it was: the same modules, windows and weight layout.
 
@@ -49,7 +50,7 @@ def linear_kernels(model) -> Iterator[Callable[[str], None]]:
     was_packed, was_transposed = is_prepacked(model), is_transposed(model)
     other = prepack if not was_packed else unprepack
     before = _linears(model)
-    windows = {n: (m.min_rows, m.max_rows) for n, m in before.items() if isinstance(m, PackedLinear)}
+    windows = {n: (m.min_rows, m.max_rows, m.split_rows) for n, m in before.items() if isinstance(m, PackedLinear)}
     other(model)
     after = _linears(model)
     names = [n for n in before if before[n] is not after.get(n, before[n])]
@@ -65,12 +66,13 @@ def linear_kernels(model) -> Iterator[Callable[[str], None]]:
     def use(kernel: str) -> None:
         if kernel not in KERNELS:
             raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
-        swap(kernel == "packed")
+        swap(kernel in ("packed", "split"))
         if kernel != "packed":  # (packed kernels read their own copy: any layout will do)
             (transpose_weights if kernel == "transposed" else untranspose_weights)(model)
         for m in packed_mods.values():
             if isinstance(m, PackedLinear):
                 m.min_rows, m.max_rows = 1, None  # packed means packed for every pass, whatever the window was
+                m.split_rows = _EVERY_PASS if kernel == "split" else 0
                 m.refresh()  # packed again if a layout change made the copy stale
 
     try:
@@ -78,8 +80,11 @@ def linear_kernels(model) -> Iterator[Callable[[str], None]]:
     finally:
         swap(was_packed)
         (transpose_weights if was_transposed else untranspose_weights)(model)
-        for name, (lo, hi) in windows.items():
-            before[name].min_rows, before[name].max_rows = lo, hi
+        for name, (lo, hi, split) in windows.items():
+            before[name].min_rows, before[name].max_rows, before[name].split_rows = lo, hi, split
+
+
+_EVERY_PASS = 1 << 62  # split_rows that covers any pass
 
 
 def _linears(model) -> dict[str, torch.nn.Module]:
@@ -140,19 +145,21 @@ def measure(
 
     Every point of the grid ``tokens`` x ``cache_lens`` is timed with each linear kernel of
     :func:`linear_kernels` the model can run (on a float32 CPU model: plain, transposed, and
-    packed where :func:`accel.cpu.prepack_available`; elsewhere plain only), in alternating
-    rounds so that all see the same machine load. The weight layout
-    (:func:`accel.cost_model.weight_layout`) and the window where packed kernels beat it
-    (:func:`accel.cost_model.packed_rows`) decide which kernels each token count runs with, and
+    packed and split where :func:`accel.cpu.prepack_available`; elsewhere plain only), in
+    alternating rounds so that all see the same machine load. The weight layout
+    (:func:`accel.cost_model.weight_layout`), the window where packed kernels beat it
+    (:func:`accel.cost_model.packed_rows`) and the passes where split ones beat both
+    (:func:`accel.cost_model.split_rows`) decide which kernels each token count runs with, and
     the grid keeps those times, made non-decreasing in both axes (see :func:`accel.cost_model.monotone`).
 
     Each point is the fastest of ``1 + repeats`` passes, the first after a warm-up: a busy
     machine only ever adds time to a pass, so the fastest is the least disturbed (with a median
     of two, one burst decided between close kernels). Once ``budget_s`` seconds have gone no
     further round starts, but the first two always run (filling the caches is not bounded).
-    With the three kernels, on the 2-core Intel Xeon, the default model takes ~22 s, a 0.5B
-    model ~50 s and a 1.5B one ~155 s. Cache lengths are capped so every pass fits the model's
-    positions.
+    With three kernels (before the split one), on the 2-core Intel Xeon, the default model took
+    ~22 s, a 0.5B model ~50 s and a 1.5B one ~155 s; with the four, on the 2-core AMD EPYC
+    (Zen 3), the default model took 30 s (25 s with three, the same hour). Cache lengths are
+    capped so every pass fits the model's positions.
     """
     start = time.perf_counter()
     load = _load_average()
@@ -164,7 +171,7 @@ def measure(
     if param.device.type == "cpu" and param.dtype == torch.float32:  # what accel.load_model applies
         names.append("transposed")
         if prepack_available():
-            names.append("packed")
+            names += ["packed", "split"]  # (the split kernel runs inside packed layers)
     points = [(c, t) for c in range(len(caches)) for t in range(len(tokens))]
     samples: dict[str, dict] = {name: {p: [] for p in points} for name in names}
     with linear_kernels(model) as use:
@@ -180,7 +187,7 @@ def measure(
     kernel_ms = {name: tuple(tuple(min(samples[name][(c, t)]) for t in range(len(tokens)))
                              for c in range(len(caches))) for name in names}
     window, layout = packed_rows(tokens, kernel_ms), weight_layout(kernel_ms)
-    chosen = ["packed" if in_window(n, window) else layout for n in tokens]
+    chosen = chosen_kernels(tokens, layout, window, split_rows(tokens, kernel_ms))
     ms = [[kernel_ms[chosen[t]][c][t] for t in range(len(tokens))] for c in range(len(caches))]
     return CostTable(tokens=tokens, cache_lens=cache_lens, ms=monotone(ms), kernel_tokens=tokens,
                      kernel_ms=kernel_ms, measured=True, seconds=round(time.perf_counter() - start, 2),

@@ -10,8 +10,8 @@ import torch
 
 from accel import calibrate, timing
 from accel.cli import main
-from accel.cost_model import (CostTable, DraftGuard, acceptance_gains, allocate_drafts, in_window, static_table,
-                               weight_layout)
+from accel.cost_model import (CostTable, DraftGuard, acceptance_gains, allocate_drafts, chosen_kernels, in_window,
+                               split_rows, static_table, weight_layout)
 from accel.cpu import PackedLinear, is_prepacked, is_transposed, prepack, prepack_available
 from accel.models import _prepacked, load_model
 from helpers import make_tiny_model
@@ -44,16 +44,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def fake_measure(calls: list | None = None, packed: tuple[int, ...] = (), transposed: float = 2.0):
+def fake_measure(calls: list | None = None, packed: tuple[int, ...] = (), transposed: float = 2.0,
+                 split: tuple[int, ...] = ()):
     """A stand-in for timing.measure whose packed kernels win at the ``packed`` ones of its
-    token counts (1, 8, 64), and whose transposed kernels take ``transposed`` ms against
-    plain ones' 2 ms."""
+    token counts (1, 8, 64), whose transposed kernels take ``transposed`` ms against
+    plain ones' 2 ms, and whose split kernels beat all of them at the ``split`` ones."""
     def measure(model, **kwargs):
         if calls is not None:
             calls.append(kwargs)
         tokens = (1, 8, 64)
         kernel_ms = {"plain": ((2.0,) * 3,), "transposed": ((transposed,) * 3,),
-                     "packed": (tuple(1.0 if n in packed else 3.0 for n in tokens),)}
+                     "packed": (tuple(1.0 if n in packed else 3.0 for n in tokens),),
+                     "split": (tuple(0.5 if n in split else 4.0 for n in tokens),)}
         return table(tokens, [1.0, 2.0, 3.0], kernel_tokens=tokens, kernel_ms=kernel_ms)
 
     return measure
@@ -355,10 +357,13 @@ def test_a_real_measurement_on_a_tiny_model(one_thread, packed):
     assert t.measured and t.tokens == (1, 4) and t.kernel_tokens == t.tokens and t.seconds > 0
     assert t.cache_lens == (16, 512 - 4)  # capped to the model's 512 positions
     assert all(x > 0 for row in t.ms for x in row)
-    assert set(t.kernel_ms) == ({"plain", "transposed", "packed"} if prepack_available() else {"plain", "transposed"})
+    assert set(t.kernel_ms) == ({"plain", "transposed", "packed", "split"} if prepack_available()
+                                else {"plain", "transposed"})
     # the grid holds, token count by token count, the time of the kernels the choice picks
     for ti, n in enumerate(t.tokens):
-        name = "packed" if in_window(n, t.packed_rows) else ("transposed" if t.transposed else "plain")
+        name = chosen_kernels(t.tokens, "transposed" if t.transposed else "plain", t.packed_rows, t.split_rows)[ti]
+        assert name == ("split" if n <= t.split_rows else "packed" if in_window(n, t.packed_rows)
+                        else "transposed" if t.transposed else "plain")
         assert t.ms[0][ti] >= t.kernel_ms[name][0][ti]  # (made non-decreasing: never below)
         if ti == 0:
             assert t.ms[0][0] == t.kernel_ms[name][0][0]
@@ -652,3 +657,54 @@ def test_auto_quantize_drafts_in_int8_where_it_measured_faster(calib_cache, fake
     assert is_int8(DraftModel(model=draft, quantize="int8").resolve(target)[0])
     assert not is_int8(DraftModel(model=draft, quantize="none").resolve(target)[0])
     assert not is_int8(draft)  # the loaded model is never changed
+
+
+def test_split_kernels_take_the_fewest_tokens_where_they_beat_every_other_choice():
+    tokens = (1, 2, 8, 32)
+    plain, packed = (10.0, 12.0, 20.0, 40.0), (9.0, 9.5, 15.0, 30.0)
+
+    def with_split(split, second=None, transposed=(11.0, 13.0, 22.0, 44.0)):
+        grids = {"plain": (plain,) * (2 if second else 1), "transposed": (transposed,) * (2 if second else 1),
+                 "packed": (packed,) * (2 if second else 1), "split": (tuple(split),) + ((tuple(second),) if second else ())}
+        return table(tokens, [1.0, 2.0, 3.0, 4.0], cache_lens=(256, 2048)[: 2 if second else 1],
+                     kernel_tokens=tokens, kernel_ms=grids)
+
+    # the AMD EPYC (Zen 3)'s shape: one bmm over the weight's halves wins for one token only
+    zen3 = with_split([7.0, 10.0, 18.0, 35.0])
+    assert zen3.split_rows == 1 and zen3.packed_rows == (1, None)
+    assert zen3.kernels == "split for 1 token, packed otherwise"
+    assert chosen_kernels(tokens, "plain", zen3.packed_rows, zen3.split_rows) == ["split", "packed", "packed", "packed"]
+    assert with_split([7.0, 9.0, 18.0, 35.0]).split_rows == 2  # a prefix of wins
+    assert with_split([7.0, 10.0, 14.0, 35.0]).split_rows == 1  # a later lone win is not part of it
+    assert with_split([9.5, 9.0, 14.0, 25.0]).split_rows == 0  # must win from the fewest tokens
+    assert with_split([1.0, 1.0, 1.0, 1.0]).split_rows == 32 and with_split([1.0] * 4).kernels == "split for 1-32 tokens, packed otherwise"
+    assert with_split([7.0, 10.0, 18.0, 35.0], second=[9.5, 10.0, 18.0, 35.0]).split_rows == 0  # every cache length
+    # split kernels view row-major weights: none beside a column-major layout
+    assert with_split([7.0, 10.0, 18.0, 35.0], transposed=(4.0, 5.0, 8.0, 15.0)).split_rows == 0
+    assert split_rows(tokens, {"plain": (plain,)}) == 0 and static_table().split_rows == 0
+    # a split prefix can make row-major weights the better layout (it is part of the choice)
+    grids = {"plain": (plain,), "transposed": ((7.0, 12.5, 20.0, 40.0),), "split": ((5.0, 13.0, 25.0, 45.0),)}
+    assert weight_layout(grids) == "plain" and weight_layout({k: grids[k] for k in ("plain", "transposed")}) == "transposed"
+    # the grid a model runs: split passes where it splits
+    assert zen3.run_with(False, (1, None), 1) is zen3
+    assert zen3.run_with(False, (1, None)).ms == (packed,)
+    assert zen3.run_with(False, (1, None), 2).ms == ((7.0, 10.0, 15.0, 30.0),)
+    assert zen3.run_with(False, None).ms == (plain,)
+
+
+@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
+@pytest.mark.parametrize("split, expected", [((), 0), ((1,), 1), ((1, 8), 8), ((8,), 0)])
+def test_auto_prepack_applies_the_split_window_of_the_table(calib_cache, monkeypatch, split, expected):
+    from accel.calibrate import step_costs
+    from accel.cpu import split_rows as model_split_rows
+
+    monkeypatch.setattr(timing, "measure", fake_measure(packed=(1, 8, 64), split=split))
+    reference = make_tiny_model()
+    model = _prepacked(make_tiny_model(), "auto")
+    assert model_split_rows(model) == expected
+    assert step_costs(model) == calibrate.cost_table(model)  # it runs the kernels measured fastest
+    if expected:  # drafts are sized by the kernels a model runs: without the split window, packed ones
+        assert step_costs(prepack(make_tiny_model())).ms == ((1.0, 1.0, 1.0),)
+    ids = torch.tensor([[4, 8, 15, 16, 23]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)

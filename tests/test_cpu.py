@@ -147,3 +147,62 @@ def test_a_window_of_rows_runs_packed_kernels_and_plain_ones_outside_it(monkeypa
     for bad in (dict(min_rows=0), dict(min_rows=4, max_rows=2), dict(min_rows=True)):
         with pytest.raises(ValueError, match="rows"):
             prepack(model, **bad)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (3, 8), (2, 5, 8)])
+@pytest.mark.parametrize("bias", [True, False])
+def test_split_linear_is_f_linear_over_two_halves(shape, bias):
+    from accel.cpu import split_linear
+
+    linear = nn.Linear(8, 6, bias=bias)
+    x = torch.randn(*shape)
+    out = split_linear(x, linear.weight, linear.bias)
+    assert out.shape == (*shape[:-1], 6)
+    torch.testing.assert_close(out, nn.functional.linear(x, linear.weight, linear.bias))
+    # each half of the output is its own product of half the weight rows
+    top = x.reshape(-1, 8) @ linear.weight[:3].T + (linear.bias[:3] if bias else 0)
+    torch.testing.assert_close(out.reshape(-1, 6)[:, :3], top)
+
+
+def test_a_split_window_runs_before_the_packed_one(monkeypatch):
+    import accel.cpu as cpu
+
+    calls: list[tuple[str, int]] = []
+    real_split, real_packed = cpu.split_linear, cpu._packed_linear
+    monkeypatch.setattr(cpu, "split_linear", lambda x, w, b: calls.append(("split", x.numel() // 8)) or real_split(x, w, b))
+    monkeypatch.setattr(cpu, "_packed_linear", lambda x, p, b: calls.append(("packed", x.shape[0])) or real_packed(x, p, b))
+    linear = nn.Linear(8, 4)
+    layer = PackedLinear(linear, min_rows=1, max_rows=9, split_rows=2)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 10):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(layer(x), nn.functional.linear(x, linear.weight, linear.bias))
+    assert calls == [("split", 1), ("split", 2), ("packed", 3)]  # 10 rows: plain F.linear
+    odd = PackedLinear(nn.Linear(8, 5), split_rows=4)  # an odd number of outputs cannot be halved: packed
+    calls.clear()
+    with torch.inference_mode():
+        odd(torch.randn(1, 8))
+    assert calls == [("packed", 1)]
+    calls.clear()
+    x = torch.randn(1, 8, requires_grad=True)
+    layer(x).sum().backward()  # gradients: F.linear, never the inference kernels
+    assert calls == [] and x.grad is not None
+    model = prepack(make_tiny_model(seed=6), min_rows=2, split_rows=1)
+    from accel.cpu import split_rows
+
+    assert split_rows(model) == 1 and "split for 1-1 rows" in repr(model.lm_head)
+    prepack(model, min_rows=2)  # setting the windows again resets the split one too
+    assert split_rows(model) == 0 and split_rows(make_tiny_model()) == 0
+    for bad in (-1, True, 1.5):
+        with pytest.raises(ValueError, match="split_rows"):
+            prepack(model, split_rows=bad)
+
+
+def test_a_split_model_decodes_like_the_plain_one():
+    reference = make_tiny_model(seed=7)
+    model = prepack(make_tiny_model(seed=7), min_rows=2, split_rows=1)
+    ids = _prompt(3, 9)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+        ref = reference.generate(ids, max_new_tokens=12, do_sample=False)
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), ref)
