@@ -1,9 +1,10 @@
 """What a verify step costs and how many draft tokens each row should verify: pure functions.
 
 A :class:`CostTable` holds the time of one verify forward pass (decoder stack plus output
-head) measured on this machine at a small grid of query tokens x cache lengths, with three
+head) measured on this machine at a small grid of query tokens x cache lengths, with four
 linear kernels: plain (row-major weights, as transformers stores them), transposed
-(column-major weights, :func:`accel.cpu.transpose_weights`) and oneDNN-packed.
+(column-major weights, :func:`accel.cpu.transpose_weights`), oneDNN-packed, and split (one
+``bmm`` over each weight's two halves, :func:`accel.cpu.split_linear`).
 :mod:`accel.calibrate` measures and caches it; nothing here times anything, so tests drive the
 choices with hand-made tables.
 
@@ -13,6 +14,8 @@ choices with hand-made tables.
 - :attr:`CostTable.packed_rows` is the window of query tokens per pass (rows of every linear
   layer) where packed kernels beat that layout on this machine, or None; ``accel.load_model``
   packs the model to run packed inside it (:func:`accel.cpu.prepack`), unpacked outside.
+- :attr:`CostTable.split_rows` is how many of the fewest query tokens per pass run split
+  kernels, ahead of the packed window (0: none).
 - :meth:`CostTable.step_ms` interpolates the grid of the kernels so chosen piecewise-linearly
   (and extrapolates linearly beyond it).
 - :func:`allocate_drafts` splits a step's draft tokens over the rows of a batch so that the
