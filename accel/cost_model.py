@@ -194,7 +194,8 @@ def weight_layout(kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> str:
     loaded runs are at least :data:`LAYOUT_MARGIN` faster than with row-major weights on the
     geometric mean of every measured point, else ``"plain"`` (also when either is missing).
     Each layout is judged with the packed kernels where they beat it (:func:`packed_rows`'s
-    window for that layout): the layout and the window are one choice.
+    window for that layout), and row-major weights also with the split kernel for the fewest
+    tokens where it beats those (:func:`split_rows`): the layout and the windows are one choice.
 
     The geometric mean weighs a pass of one token as much as one of 64: a layout is chosen
     once for every pass, and which passes a model will run (one row decoding, batches,

@@ -27,8 +27,8 @@ It is a no-op where oneDNN is missing or the layer is not a float32 CPU layer, a
 module falls back to ``F.linear`` whenever its input or weight has moved (another device
 or dtype) or gradients are needed.
 
-:func:`split_linear` is a third kernel for the fewest rows, and it costs no memory either: it
-views each weight as its two halves of output features and multiplies both by one
+:func:`split_linear` is a kernel for the fewest rows that costs no memory (like
+:func:`transpose_weights`, below): it views each weight as its two halves of output features and multiplies both by one
 ``torch.bmm``, so two threads each read half the matrix. Where ``F.linear`` of one row leaves a
 core mostly idle (an AMD EPYC Zen 3, AVX2 only, 2 threads), a one-token pass of the default
 model took 43 ms split against 57 ms packed and 62 ms plain at 256 cached entries, 48 against
@@ -199,26 +199,24 @@ class PackedLinear(nn.Module):
         version = 0 if w.is_inference() else w._version  # inference tensors keep no version counter
         return (w.data_ptr(), version, w.dtype, w.device)
 
-    def _usable(self, x: torch.Tensor) -> bool:
+    def _inference_input(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` may take an inference kernel: a CPU input of the weight's dtype (and
+        the bias's), no gradients wanted."""
         w = self.weight
         return (
-            self._packed is not None
-            and x.device.type == "cpu"
+            x.device.type == "cpu"
             and x.dtype == w.dtype
             and (self.bias is None or self.bias.dtype == w.dtype)
-            and self._weight_key() == self._packed_from
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
         )
 
+    def _usable(self, x: torch.Tensor) -> bool:
+        return self._packed is not None and self._weight_key() == self._packed_from and self._inference_input(x)
+
     def _splittable(self, x: torch.Tensor) -> bool:
         w = self.weight
-        return (
-            self.out_features % 2 == 0
-            and x.device.type == "cpu" == w.device.type
-            and x.dtype == w.dtype == torch.float32
-            and (self.bias is None or self.bias.dtype == w.dtype)
-            and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
-        )
+        return (self.out_features % 2 == 0 and w.device.type == "cpu" and w.dtype == torch.float32
+                and self._inference_input(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -230,7 +228,7 @@ class PackedLinear(nn.Module):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        split = f", split for 1-{self.split_rows} rows" if self.split_rows else ""
+        split = f", split for rows <= {self.split_rows}" if self.split_rows else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " + (
             (f"packed for {self.min_rows}-{self.max_rows or 'any'} rows" if self._packed is not None else "not packed")) + split
 

@@ -190,7 +190,7 @@ def test_a_split_window_runs_before_the_packed_one(monkeypatch):
     model = prepack(make_tiny_model(seed=6), min_rows=2, split_rows=1)
     from accel.cpu import split_rows
 
-    assert split_rows(model) == 1 and "split for 1-1 rows" in repr(model.lm_head)
+    assert split_rows(model) == 1 and "split for rows <= 1" in repr(model.lm_head)
     prepack(model, min_rows=2)  # setting the windows again resets the split one too
     assert split_rows(model) == 0 and split_rows(make_tiny_model()) == 0
     for bad in (-1, True, 1.5):
