@@ -27,20 +27,20 @@ It is a no-op where oneDNN is missing or the layer is not a float32 CPU layer, a
 module falls back to ``F.linear`` whenever its input or weight has moved (another device
 or dtype) or gradients are needed.
 
-:func:`split_linear` is a kernel for the fewest rows that costs no memory (like
-:func:`transpose_weights`, below): it views each weight as its two halves of output features and multiplies both by one
-``torch.bmm``, so two threads each read half the matrix. Where ``F.linear`` of one row leaves a
-core mostly idle (an AMD EPYC Zen 3, AVX2 only, 2 threads), a one-token pass of the default
-model took 43 ms split against 57 ms packed and 62 ms plain at 256 cached entries, 48 against
-59 and 62 ms at 2K (fastest of 20 alternating passes; the medians 49 / 65 / 70 and 60 / 71 /
-75), while for 2 and 4 tokens packed kernels won (``python benchmarks/linear_kernels.py --rows
-1 2 4 --repeats 5 --passes --rounds 20 --cached 256 2048``). A
-:class:`PackedLinear` runs it for inputs of at most ``split_rows`` rows, ahead of its packed
-window; the calibration measures it like the others and sets that prefix
+:func:`split_linear` is a kernel for the fewest rows that, like :func:`transpose_weights`
+below, costs no memory: it views each weight as its two halves of output features and
+multiplies both by one ``torch.bmm``, so two threads each read half the matrix. Where
+``F.linear`` of one row leaves a core mostly idle (an AMD EPYC Zen 3, AVX2 only, 2 threads), a
+one-token pass of the default model took 43 ms split against 57 ms packed and 62 ms plain at
+256 cached entries, 48 against 59 and 62 ms at 2K (fastest of 20 alternating passes; the
+medians 49 / 65 / 70 and 60 / 71 / 75), while for 2 and 4 tokens packed kernels won (``python
+benchmarks/linear_kernels.py --rows 1 2 4 --repeats 5 --passes --rounds 20 --cached 256
+2048``). A :class:`PackedLinear` runs it for inputs of at most ``split_rows`` rows, ahead of
+its packed window; the calibration measures it like the others and sets that prefix
 (:attr:`accel.cost_model.CostTable.split_rows`).
 
-:func:`transpose_weights` is the other lever, and it costs no memory: it stores each linear
-weight [out, in] column-major (the same values and shape, strides ``(1, out)``), so
+:func:`transpose_weights` is another lever: it stores each linear weight [out, in]
+column-major (the same values and shape, strides ``(1, out)``), so
 ``F.linear(x, W)`` multiplies ``x`` by a contiguous ``W.T`` instead of a transposed view, and
 the BLAS takes another path. On the 2-core Intel Xeon without AMX (``accel calibrate``), a
 verify pass of the default model over 256 cached entries took 51 / 58 / 66 / 88 ms for 4 / 8 /
@@ -211,7 +211,8 @@ class PackedLinear(nn.Module):
         )
 
     def _usable(self, x: torch.Tensor) -> bool:
-        return self._packed is not None and self._weight_key() == self._packed_from and self._inference_input(x)
+        # the cheap checks of the input first: this runs on every call of every layer
+        return self._packed is not None and self._inference_input(x) and self._weight_key() == self._packed_from
 
     def _splittable(self, x: torch.Tensor) -> bool:
         w = self.weight
