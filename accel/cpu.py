@@ -340,7 +340,9 @@ def _is_column_major(w: torch.Tensor) -> bool:
 
 
 def _relayout(model: nn.Module, column_major: bool) -> nn.Module:
-    with torch.no_grad():
+    # outside inference mode even when called inside it (a calibration the engine starts): the
+    # new storage must stay a normal tensor, which autograd and version counters still track
+    with torch.inference_mode(False), torch.no_grad():
         for w in _linear_weights(model):
             if _is_column_major(w) != column_major:
                 # .data keeps the Parameter object, so ties, optimisers and hooks still see it

@@ -93,3 +93,31 @@ def test_packed_layers_are_packed_again_after_a_layout_change():
     assert all(m._packed is not None and m._packed_from == m._weight_key() for m in layers)
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_layout_change_inside_inference_mode_keeps_weights_trainable_and_tracked(packed):
+    """The engine may calibrate (and so switch layouts) inside inference mode: the weights must
+    stay normal tensors, so that the model can still be trained and packed layers still see
+    in-place changes of their weights."""
+    if packed and not prepack_available():
+        pytest.skip("no oneDNN packing")
+    model = make_tiny_model(seed=6)
+    reference = make_tiny_model(seed=6)
+    if packed:
+        prepack(model)
+    with torch.inference_mode():
+        transpose_weights(model)
+        untranspose_weights(model)
+        transpose_weights(model)
+    weights = [m.weight for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))]
+    assert is_transposed(model) and not any(w.is_inference() for w in weights)
+    x = torch.randn(3, 64, requires_grad=True)
+    model.model.layers[0].self_attn.q_proj(x).sum().backward()  # raises on an inference tensor
+    assert x.grad is not None
+    with torch.no_grad():
+        model.model.layers[0].mlp.up_proj.weight.mul_(2.0)
+        reference.model.layers[0].mlp.up_proj.weight.mul_(2.0)
+    ids = _prompt(4, 7)
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
