@@ -5,8 +5,9 @@
 # Each round starts `accel serve` (port 8011), runs benchmarks/serve_load.py with 16 clients x
 # 4 chat requests of 64 tokens, non-streaming, stops it, then does the same with transformers'
 # server (port 8012) on the default model's checkpoint, and prints both results and their
-# ratio. A VM's speed drifts over minutes, so compare rounds, not single runs. Run it from the
-# repository's virtual environment (`make venv`), on an otherwise idle machine.
+# ratio, and after several rounds the ratios' geometric mean. A VM's speed drifts over
+# minutes, so compare rounds, not single runs. Run it from the repository's virtual
+# environment (`make venv`), on an otherwise idle machine.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 rounds="${1:-2}"
@@ -29,6 +30,7 @@ tok_s() {  # the tokens/s figure of a serve_load.py report
   sed -n 's/.*tokens\/s \([0-9.]*\).*/\1/p' | tail -1
 }
 
+ratios=()
 for round in $(seq "$rounds"); do
   accel serve --port 8011 --max-batch 16 "$@" >/dev/null 2>&1 &
   server=$!
@@ -48,4 +50,9 @@ for round in $(seq "$rounds"); do
   a="$(echo "$a_report" | tok_s)"; t="$(echo "$t_report" | tok_s)"
   awk -v a="$a" -v t="$t" -v r="$round" \
     'BEGIN { printf "round %s: accel %.1f / transformers %.1f tok/s = %.2fx\n", r, a, t, a / t }'
+  ratios+=("$(awk -v a="$a" -v t="$t" 'BEGIN { print a / t }')")
 done
+if [ "${#ratios[@]}" -gt 1 ]; then
+  printf '%s\n' "${ratios[@]}" |
+    awk '{ s += log($1); n++ } END { printf "geometric mean of %d rounds: %.2fx\n", n, exp(s / n) }'
+fi
