@@ -20,8 +20,9 @@ server keeps serving. Stop strings are matched on the decoded text across token 
 text that could be the start of a stop string is held back until it is known not to be, and
 a matched request is cancelled in the engine. A client that disconnects cancels its request.
 
-The engine's blocking ``stream()`` runs in one thread per request that hands deltas to the
-event loop through an ``asyncio.Queue``; the loop itself never blocks on the engine.
+The engine's thread hands each request's deltas to the event loop
+(:meth:`accel.service.RequestHandle.on_delta`, ``call_soon_threadsafe`` into an
+``asyncio.Queue``): no thread per request, and the loop itself never blocks on the engine.
 """
 
 from __future__ import annotations
@@ -238,13 +239,20 @@ _END = object()
 
 
 class _Bridge:
-    """Iterates a handle's blocking ``stream()`` in a thread and queues deltas for the loop."""
+    """Queues a handle's deltas for the event loop: the engine's thread hands each one over
+    (:meth:`RequestHandle.on_delta`) with ``call_soon_threadsafe``, so no thread waits per
+    request. A duck-typed handle without ``on_delta`` is read in a thread of its own."""
 
     def __init__(self, handle: Any, loop: asyncio.AbstractEventLoop):
         self.handle, self.loop = handle, loop
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
-        self.thread = threading.Thread(target=self._pump, name="accel-serve-stream", daemon=True)
-        self.thread.start()
+        if hasattr(handle, "on_delta"):
+            handle.on_delta(self._deliver)
+        else:
+            threading.Thread(target=self._pump, name="accel-serve-stream", daemon=True).start()
+
+    def _deliver(self, delta: Any) -> None:
+        self._put(_END if delta is None else delta)
 
     def _pump(self) -> None:
         try:

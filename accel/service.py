@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -67,9 +67,14 @@ class RequestResult:
 _END = object()
 
 
+def _ignore(item: Any) -> None:  # the callback of a request whose own callback raised
+    pass
+
+
 @dataclass(eq=False)
 class RequestHandle:
-    """A submitted request. Thread-safe; ``stream()`` may be consumed by one reader."""
+    """A submitted request. Thread-safe; its deltas go to one reader: ``stream()``, or a
+    callback given to :meth:`on_delta`."""
 
     id: int
     row: Row = field(repr=False)
@@ -78,13 +83,17 @@ class RequestHandle:
     _done: threading.Event = field(default_factory=threading.Event, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
     _result: RequestResult | None = field(default=None, repr=False)
+    _listener: Callable[[Delta | None], None] | None = field(default=None, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:
         """Yield :class:`Delta` objects as the engine accepts tokens, until the request ends.
 
         timeout: seconds to wait for the next delta at most (None: no limit); raises
-        ``TimeoutError`` when it passes.
+        ``TimeoutError`` when it passes. Not after :meth:`on_delta` (RuntimeError).
         """
+        if self._listener is not None:
+            raise RuntimeError(f"request {self.id}: its deltas go to an on_delta callback")
         while True:
             try:
                 item = self._queue.get(timeout=timeout)
@@ -93,6 +102,44 @@ class RequestHandle:
             if item is _END:
                 return
             yield item
+
+    def on_delta(self, callback: Callable[[Delta | None], None]) -> None:
+        """Hand this request's deltas to ``callback`` instead of :meth:`stream`: each
+        :class:`Delta` as the engine produces it (those produced before this call at once, in
+        order), then ``None`` once the request has ended. It runs on the engine's thread, between
+        steps, so it must be quick: hand the delta over (``loop.call_soon_threadsafe`` into an
+        asyncio queue) rather than work on it. A callback that raises cancels the request (its
+        reader is gone) and gets nothing more. One callback per request; a server uses it
+        instead of a thread per request blocked in ``stream()``.
+        """
+        with self._lock:
+            if self._listener is not None:
+                raise RuntimeError(f"request {self.id} already has an on_delta callback")
+            self._listener = callback
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._call(item):
+                    break
+
+    def _put(self, item: Any) -> None:
+        """Deliver one delta (or the end): to the callback if there is one, else to ``stream()``."""
+        with self._lock:
+            if self._listener is None:
+                self._queue.put(item)
+                return
+        self._call(item)
+
+    def _call(self, item: Any) -> bool:
+        try:
+            self._listener(None if item is _END else item)
+            return True
+        except Exception:  # the reader is gone: stop the request, deliver nothing more
+            self._listener = _ignore
+            self._cancel.set()
+            return False
 
     def result(self, timeout: float | None = None) -> RequestResult:
         """Wait for the request to end and return its :class:`RequestResult`."""
@@ -323,7 +370,7 @@ class Engine:
             h: RequestHandle = row.tag
             if new:
                 text = h._text.push(new, final=row.done) if h._text is not None else None
-                h._queue.put(Delta(list(new), text))
+                h._put(Delta(list(new), text))
             if count_step:
                 accepted += row.stats.accepted_per_step[-1] if row.stats.accepted_per_step else 0
         with self._lock:
@@ -359,9 +406,9 @@ class Engine:
         if h._text is not None:
             tail = h._text.push([], final=True)
             if tail:
-                h._queue.put(Delta([], tail))
+                h._put(Delta([], tail))
         h._result = RequestResult(tokens=list(row.generated), text=text, finish_reason=row.finish_reason,
                                   prompt_tokens=int(row.prompt.numel()), stats=row.stats, error=error)
-        h._queue.put(Delta([], "" if h._text is not None else None, True, row.finish_reason))
-        h._queue.put(_END)
+        h._put(Delta([], "" if h._text is not None else None, True, row.finish_reason))
+        h._put(_END)
         h._done.set()

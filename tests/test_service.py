@@ -153,3 +153,53 @@ def test_a_failing_request_ends_alone_and_the_engine_serves_on(model):
         assert after.result(timeout=60).tokens == _alone(model, _prompt(3), 5)
     with pytest.raises(RuntimeError, match="drafter exploded"):  # one call: the error is the caller's
         accel.generate(model, _prompt(1).unsqueeze(0), strategies=[_Broken()], max_new_tokens=30)
+
+
+def test_on_delta_hands_every_delta_to_a_callback_on_the_engine_thread(model):
+    with accel.Engine(model, max_batch=2, eos_token_id=[]) as engine:
+        seen: list = []
+        threads: set[str] = set()
+        ended = threading.Event()
+
+        def callback(delta):
+            threads.add(threading.current_thread().name)
+            seen.append(delta)
+            if delta is None:
+                ended.set()
+
+        handle = engine.submit(_prompt(0), max_new_tokens=9)
+        handle.result(timeout=60)  # finished before the callback: everything queued is handed over at once
+        handle.on_delta(callback)
+        assert ended.is_set() and seen[-1] is None
+        with pytest.raises(RuntimeError, match="already has"):
+            handle.on_delta(callback)
+        with pytest.raises(RuntimeError, match="on_delta"):
+            next(handle.stream())
+        early = list(seen)
+
+        seen.clear()
+        ended.clear()
+        live = engine.submit(_prompt(1), max_new_tokens=30)
+        live.on_delta(callback)  # while it decodes
+        assert ended.wait(60)
+    for got, prompt, n in ((early, _prompt(0), 9), (seen, _prompt(1), 30)):
+        assert got[-1] is None and got[-2].finished and not any(d.finished for d in got[:-2])
+        assert [t for d in got[:-1] for t in d.tokens] == _alone(model, prompt, n)
+    assert "accel-engine" in threads  # (the first one's deltas were handed over on this thread)
+
+
+def test_a_raising_on_delta_callback_cancels_its_request_only(model):
+    with accel.Engine(model, max_batch=2, eos_token_id=[]) as engine:
+        calls = []
+
+        def gone(delta):
+            calls.append(delta)
+            raise ConnectionError("the reader went away")
+
+        doomed = engine.submit(_prompt(2), max_new_tokens=400)
+        other = engine.submit(_prompt(3), max_new_tokens=12)
+        doomed.on_delta(gone)
+        assert doomed.result(timeout=60).finish_reason == "cancelled"
+        assert len(calls) == 1  # nothing more after it raised
+        assert other.result(timeout=60).tokens == _alone(model, _prompt(3), 12)
+        assert engine.alive and engine.metrics()["requests_running"] == 0
