@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -203,3 +204,25 @@ def test_a_raising_on_delta_callback_cancels_its_request_only(model):
         assert len(calls) == 1  # nothing more after it raised
         assert other.result(timeout=60).tokens == _alone(model, _prompt(3), 12)
         assert engine.alive and engine.metrics()["requests_running"] == 0
+
+
+def test_the_engine_gives_freed_memory_back_once_each_time_it_goes_idle(model, monkeypatch):
+    import accel.service as service
+
+    trims: list[float] = []
+    monkeypatch.setattr(service, "_trim_heap", lambda: trims.append(time.perf_counter()))
+    with accel.Engine(model, max_batch=2, eos_token_id=[]) as engine:
+        first = [engine.submit(_prompt(i), max_new_tokens=6) for i in range(3)]
+        assert all(h.result(timeout=60).finish_reason == "length" for h in first)
+        time.sleep(0.3)  # idle for several of the loop's waits
+        assert len(trims) == 1 and trims[0] >= max(h.row.started for h in first)
+        engine.submit(_prompt(4), max_new_tokens=4).result(timeout=60)
+        time.sleep(0.3)
+        assert len(trims) == 2
+    assert service._malloc_trim() is None or callable(service._malloc_trim())
+
+
+def test_trimming_the_heap_is_safe_to_call_anywhere():
+    import accel.service as service
+
+    assert service._trim_heap() is None  # glibc's malloc_trim here, nothing where there is none
