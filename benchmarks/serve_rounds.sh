@@ -48,9 +48,9 @@ for round in $(seq "$rounds"); do
   echo "round $round accel serve:        $(echo "$a_report" | head -2 | tr '\n' ' ')"
   echo "round $round transformers serve: $(echo "$t_report" | head -2 | tr '\n' ' ')"
   a="$(echo "$a_report" | tok_s)"; t="$(echo "$t_report" | tok_s)"
-  awk -v a="$a" -v t="$t" -v r="$round" \
-    'BEGIN { printf "round %s: accel %.1f / transformers %.1f tok/s = %.2fx\n", r, a, t, a / t }'
   ratios+=("$(awk -v a="$a" -v t="$t" 'BEGIN { print a / t }')")
+  awk -v a="$a" -v t="$t" -v r="$round" -v x="${ratios[-1]}" \
+    'BEGIN { printf "round %s: accel %.1f / transformers %.1f tok/s = %.2fx\n", r, a, t, x }'
 done
 if [ "${#ratios[@]}" -gt 1 ]; then
   printf '%s\n' "${ratios[@]}" |

@@ -186,7 +186,7 @@ def test_on_delta_hands_every_delta_to_a_callback_on_the_engine_thread(model):
     for got, prompt, n in ((early, _prompt(0), 9), (seen, _prompt(1), 30)):
         assert got[-1] is None and got[-2].finished and not any(d.finished for d in got[:-2])
         assert [t for d in got[:-1] for t in d.tokens] == _alone(model, prompt, n)
-    assert "accel-engine" in threads  # (the first one's deltas were handed over on this thread)
+    assert "accel-engine" in threads  # the live request's deltas came on the engine's thread
 
 
 def test_a_raising_on_delta_callback_cancels_its_request_only(model):
@@ -219,10 +219,12 @@ def test_the_engine_gives_freed_memory_back_once_each_time_it_goes_idle(model, m
         engine.submit(_prompt(4), max_new_tokens=4).result(timeout=60)
         time.sleep(0.3)
         assert len(trims) == 2
-    assert service._malloc_trim() is None or callable(service._malloc_trim())
 
 
-def test_trimming_the_heap_is_safe_to_call_anywhere():
+def test_the_heap_trim_is_glibcs_malloc_trim_where_the_c_library_is_glibc():
+    import platform
+
     import accel.service as service
 
-    assert service._trim_heap() is None  # glibc's malloc_trim here, nothing where there is none
+    assert (service._malloc_trim() is not None) == (platform.libc_ver()[0] == "glibc")
+    service._trim_heap()  # runs (or does nothing off glibc) without raising
