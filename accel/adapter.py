@@ -175,11 +175,15 @@ def default_eos(model: PreTrainedModel, tokenizer: Any = None) -> list[int]:
 
 
 class _Layer(DynamicLayer):
-    """A transformers cache layer whose storage is owned by :class:`TransformersCache`."""
+    """A transformers cache layer whose storage is owned by :class:`TransformersCache`.
+
+    It holds its owner by a weak proxy: a strong reference would make every cache a reference
+    cycle (cache -> layers -> cache), which only Python's cyclic collector frees, so a dropped
+    cache's KV tensors would stay allocated until its next full collection."""
 
     def __init__(self, owner: "TransformersCache", idx: int):
         super().__init__()
-        self._owner = owner
+        self._owner = weakref.proxy(owner)
         self._idx = idx
 
     def update(self, key_states, value_states, *args, **kwargs):

@@ -437,4 +437,5 @@ class Engine:
                                   prompt_tokens=int(row.prompt.numel()), stats=row.stats, error=error)
         h._put(Delta([], "" if h._text is not None else None, True, row.finish_reason))
         h._put(_END)
+        row.tag = None  # break the row <-> handle cycle: a finished request is freed by reference counting
         h._done.set()
