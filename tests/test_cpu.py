@@ -149,6 +149,28 @@ def test_a_window_of_rows_runs_packed_kernels_and_plain_ones_outside_it(monkeypa
             prepack(model, **bad)
 
 
+def test_packed_passes_of_many_lengths_run_a_bounded_set_of_row_counts(monkeypatch):
+    import accel.cpu as cpu
+
+    assert [cpu.packed_rows(n) for n in (1, 17, 32, 33, 34, 63, 64, 65, 700, 2049)] == [
+        1, 17, 32, 34, 34, 64, 64, 68, 704, 2176]
+    assert all(n <= cpu.packed_rows(n) < n * 1.0625 + 1 for n in range(1, 5000))
+    calls: list[int] = []
+    real = cpu._packed_linear
+    monkeypatch.setattr(cpu, "_packed_linear", lambda x, packed, bias: calls.append(x.shape[0]) or real(x, packed, bias))
+    linear = nn.Linear(8, 6)
+    layer = PackedLinear(linear)
+    with torch.inference_mode():
+        for rows in range(1, 600, 7):
+            x = torch.randn(1, rows, 8)
+            out = layer(x)
+            assert out.shape == (1, rows, 6) and out.is_contiguous()
+            torch.testing.assert_close(out, nn.functional.linear(x, linear.weight, linear.bias))
+    assert len(calls) == len(range(1, 600, 7)) and calls[:5] == [1, 8, 15, 22, 29]  # exact up to 32 rows
+    assert calls == [cpu.packed_rows(n) for n in range(1, 600, 7)]
+    assert len(set(calls)) == 54  # of 86 lengths: 5 up to 32 rows, the other 81 share 49 sizes
+
+
 @pytest.mark.parametrize("shape", [(1, 8), (3, 8), (2, 5, 8)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_split_linear_is_f_linear_over_two_halves(shape, bias):
