@@ -99,3 +99,11 @@ def test_engine_requests_leave_no_tensor_to_the_cyclic_collector(model, heads_di
                 h.result(timeout=120)
             assert all(h.done for h in handles)
     assert _tensors(found) == []
+
+
+def test_stream_leaves_no_tensor_to_the_cyclic_collector(model):
+    ids = torch.stack([_prompt(1), _prompt(1).flip(0)])
+    list(accel.stream(model, ids, strategies=[PromptLookup()], max_new_tokens=4, eos_token_id=[]))
+    with _collector_finds() as found:
+        deltas = list(accel.stream(model, ids, strategies=[PromptLookup()], max_new_tokens=6, eos_token_id=[]))
+    assert deltas and _tensors(found) == []
