@@ -22,7 +22,7 @@ from accel.cache import SharedCache
 from helpers import SMALL_DRAFT, TINY_VOCAB, make_tiny_model
 from snapkv import AdaSnapKV, SnapKV
 from speculative import DraftModel, Medusa, PromptLookup
-from test_medusa import random_heads
+from test_batch import heads_dir  # noqa: F401 (a fixture: random Medusa heads saved to a folder)
 
 
 @contextmanager
@@ -52,13 +52,6 @@ def _prompt(i: int) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def model():
     return make_tiny_model(seed=43)
-
-
-@pytest.fixture(scope="module")
-def heads_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("heads")
-    random_heads(seed=3, sequential=True).save_pretrained(folder)
-    return str(folder)
 
 
 COMBOS = {
