@@ -366,9 +366,25 @@ def _rotary_function(attention_cls: type) -> tuple[Callable | None, str]:
     rope = getattr(sys.modules[attention_cls.__module__], "apply_rotary_pos_emb", None)
     if rope is None:
         return None, f"its module {attention_cls.__module__} has no apply_rotary_pos_emb"
-    if list(inspect.signature(rope).parameters)[:4] != ["q", "k", "cos", "sin"]:
+    if list(inspect.signature(_kernelized_function(rope)).parameters)[:4] != ["q", "k", "cos", "sin"]:
         return None, "its apply_rotary_pos_emb does not take (q, k, cos, sin)"
     return rope, ""
+
+
+def _kernelized_function(rope: Callable) -> Callable:
+    """The Python function behind ``rope``, for reading its signature.
+
+    With the ``kernels`` package installed, transformers >= 5.25 decorates each modeling
+    module's ``apply_rotary_pos_emb`` with ``use_kernel_forward_from_hub``, which replaces the
+    function by an ``nn.Module`` instance whose ``forward(*args, **kwargs)`` calls a Hub kernel
+    when the model was kernelized and the original function otherwise. accel calls ``rope``
+    itself (so its queries are rotated by whatever the model's own attention runs) and reads
+    the signature of the function the module closes over.
+    """
+    if not isinstance(rope, torch.nn.Module):
+        return rope
+    wrapped = inspect.getclosurevars(type(rope).forward).nonlocals.get("func")
+    return wrapped if callable(wrapped) else rope
 
 
 def _out_features(layer: torch.nn.Module) -> int | None:

@@ -153,6 +153,36 @@ def test_query_layouts_read_the_variants():
     assert layout["granite"].scale == pytest.approx(0.125 * 4)
 
 
+def test_a_kernelized_rotary_function_is_called_as_the_module_and_read_through_it():
+    # transformers >= 5.25 with the `kernels` package turns each modeling module's
+    # apply_rotary_pos_emb into an nn.Module whose forward takes (*args, **kwargs)
+    kernels = pytest.importorskip("kernels")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        return q, k
+
+    wrapped = kernels.use_kernel_forward_from_hub("rotary_pos_emb")(apply_rotary_pos_emb)
+    assert isinstance(wrapped, torch.nn.Module)
+    assert adapter._kernelized_function(wrapped) is apply_rotary_pos_emb
+    assert adapter._kernelized_function(apply_rotary_pos_emb) is apply_rotary_pos_emb
+
+    def other(x, position_ids):
+        return x
+
+    attention = transformers.models.llama.modeling_llama.LlamaAttention
+    module = sys.modules[attention.__module__]
+    saved = module.apply_rotary_pos_emb
+    try:
+        module.apply_rotary_pos_emb = wrapped
+        rope, why = adapter._rotary_function.__wrapped__(attention)  # uncached
+        assert rope is wrapped and why == ""  # the model's own callable, so a kernel it runs is ours too
+        module.apply_rotary_pos_emb = kernels.use_kernel_forward_from_hub("rotary_pos_emb")(other)
+        rope, why = adapter._rotary_function.__wrapped__(attention)  # uncached
+        assert rope is None and "(q, k, cos, sin)" in why
+    finally:
+        module.apply_rotary_pos_emb = saved
+
+
 def _gpt2():
     config = transformers.GPT2Config(vocab_size=TINY_VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=128)
     return transformers.GPT2LMHeadModel(config).eval()
