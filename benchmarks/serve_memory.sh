@@ -3,14 +3,17 @@
 #   bash benchmarks/serve_memory.sh [RUNS] [extra accel serve arguments...]
 # Starts `accel serve --max-batch 16` (port 8011), prints its RSS idle, then runs
 # benchmarks/serve_load.py RUNS times (default 8) with 16 clients x 8 chat requests of 16 tokens,
-# non-streaming, and prints the server's RSS (`ps -o rss=`) after each run of 128 requests, then
-# the change from the first run to the last and the largest. Run it from the repository's
-# virtual environment (`make venv`), on an otherwise idle machine.
+# non-streaming (streaming, over SSE, with STREAM=1 in the environment), and prints the server's
+# RSS (`ps -o rss=`) after each run of 128 requests, then the change from the first run to the
+# last and the largest. Run it from the repository's virtual environment (`make venv`), on an
+# otherwise idle machine.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 runs="${1:-8}"
 shift || true
-load=(--clients 16 --requests 8 --max-tokens 16 --no-stream)
+load=(--clients 16 --requests 8 --max-tokens 16)
+[ "${STREAM:-0}" = 1 ] || load+=(--no-stream)
+echo "load: ${load[*]}"
 
 accel serve --port 8011 --max-batch 16 "$@" >/dev/null 2>&1 &
 server=$!
