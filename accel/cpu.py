@@ -197,10 +197,12 @@ class PackedLinear(nn.Module):
         self._packed_from = self._weight_key()
         self._packed = _pack(w) if packable else None
 
-    def refresh(self) -> None:
+    def refresh(self, force: bool = False) -> None:
         """Pack again if ``weight`` was replaced or modified in place since it was packed
-        (e.g. by :func:`transpose_weights`); until then the layer runs ``F.linear``."""
-        if self._weight_key() != self._packed_from:
+        (e.g. by :func:`transpose_weights`), or always with ``force``; until a stale copy is
+        packed again the layer runs ``F.linear``. An in-place change of an inference-tensor
+        weight is not seen (see :meth:`_weight_key`): refresh with ``force`` after one."""
+        if force or self._weight_key() != self._packed_from:
             self._repack()
 
     def __getstate__(self) -> dict:
@@ -214,8 +216,14 @@ class PackedLinear(nn.Module):
         self._repack()
 
     def _weight_key(self) -> tuple:
+        """What identifies the packed weight's contents: storage, in-place version, dtype, device.
+
+        Inference tensors (made under ``torch.inference_mode``) keep no version counter, so an
+        in-place change of such a weight inside ``inference_mode`` goes unseen here (the layer
+        would go on with the old packed copy until ``refresh(force=True)``). Outside
+        ``inference_mode`` torch refuses in-place changes of inference tensors."""
         w = self.weight
-        version = 0 if w.is_inference() else w._version  # inference tensors keep no version counter
+        version = 0 if w.is_inference() else w._version
         return (w.data_ptr(), version, w.dtype, w.device)
 
     def _inference_input(self, x: torch.Tensor) -> bool:

@@ -106,6 +106,26 @@ def test_packed_layer_from_unpackable_tensors_runs_f_linear():
     assert torch.equal(layer(x), nn.functional.linear(x, w))
 
 
+def test_a_weight_changed_in_place_is_packed_again():
+    x = torch.randn(3, 8)
+    layer = PackedLinear(nn.Linear(8, 4))
+    with torch.no_grad():
+        assert layer._usable(x)
+        layer.weight.mul_(2)  # a normal tensor's version counter moves: seen without force
+        assert not layer._usable(x)  # the stale copy is not used
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+        layer.refresh()
+        assert layer._usable(x)
+        torch.testing.assert_close(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+    with torch.inference_mode():
+        inf = PackedLinear.from_weight(torch.randn(4, 8), torch.randn(4))
+        assert inf.weight.is_inference()
+        inf.weight.mul_(2)  # no version counter: unseen until refresh(force=True)
+        inf.refresh(force=True)
+        torch.testing.assert_close(inf(x), nn.functional.linear(x, inf.weight, inf.bias))
+
+
 def test_unprepack_restores_plain_linears_with_the_same_parameters():
     from accel.cpu import unprepack
 
