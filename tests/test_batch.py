@@ -297,3 +297,38 @@ def test_a_malformed_proposal_fails_its_request_alone():
         r = bad.result(timeout=60)
         assert r.finish_reason == "error" and "parents" in r.error
         assert good.result(timeout=60).tokens == _alone(model, prompt, [], 8, eos_token_id=[])
+
+
+def test_a_new_row_probes_drafts_where_a_two_token_pass_is_dear_and_garbage_stops(monkeypatch):
+    from accel import engine
+    from accel.acceptance import Acceptance
+    from accel.cost_model import CostTable
+    from accel.tree import DraftTree
+
+    # the shape calibration measured on an AMD EPYC Zen 3 (split kernel for one token): a
+    # two-token pass costs 1.74x a one-token one, eight tokens 2.0x
+    table = CostTable(tokens=(1, 2, 4, 8, 16), cache_lens=(256,), ms=((70.0, 122.0, 133.0, 141.0, 161.0),))
+    plan = engine.plan_strategies([PromptLookup()])
+
+    def new_row():
+        return engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset())
+
+    assert engine.draft_budgets(table, 256, [new_row()], 16) == [1]  # the slow start's first probe
+    monkeypatch.setattr(engine, "EXPLORE_HITS", 0.0)
+    assert engine.draft_budgets(table, 256, [new_row()], 16) == [0]  # the prior 1/2 alone never drafts here
+    monkeypatch.undo()
+
+    good, bad = new_row(), new_row()
+    budgets = {"good": [], "bad": []}
+    for _ in range(8):
+        for name, row in (("good", good), ("bad", bad)):
+            (k,) = engine.draft_budgets(table, 256, [row], 16)
+            budgets[name].append(k)
+            if k:
+                tree = DraftTree.chain(5, list(range(6, 6 + k)))
+                accepted = k if row is good else 0
+                row.observe(tree, Acceptance(path=list(range(accepted + 1)), next_token=1), draft_s=0.0)
+            else:
+                row.observe(DraftTree.root_only(5), Acceptance(path=[0], next_token=1), draft_s=0.0)
+    assert budgets["good"][:5] == [1, 2, 4, 8, 16]  # every draft accepted: the slow start doubles
+    assert budgets["bad"][:3] == [1, 2, 4] and budgets["bad"][3:] == [0] * 5  # three probes, then none
