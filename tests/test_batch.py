@@ -314,9 +314,9 @@ def test_a_new_row_probes_drafts_where_a_two_token_pass_is_dear_and_garbage_stop
         return engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset())
 
     assert engine.draft_budgets(table, 256, [new_row()], 16) == [1]  # the slow start's first probe
-    monkeypatch.setattr(engine, "EXPLORE_HITS", 0.0)
-    assert engine.draft_budgets(table, 256, [new_row()], 16) == [0]  # the prior 1/2 alone never drafts here
-    monkeypatch.undo()
+    with monkeypatch.context() as m:
+        m.setattr(engine, "EXPLORE_HITS", 0.0)
+        assert engine.draft_budgets(table, 256, [new_row()], 16) == [0]  # the prior 1/2 alone never drafts here
 
     good, bad = new_row(), new_row()
     budgets = {"good": [], "bad": []}
