@@ -11,7 +11,11 @@ is bounded: N x M requests at most, each with a timeout, and the whole run ends 
 
 Reports requests/s, completion tokens/s, p50/p95 latency and time to first token (streaming),
 failed requests (HTTP errors, timeouts, error events) and truncated ones (a stream that ended
-without ``data: [DONE]`` or without a finish reason).
+without ``data: [DONE]`` or without a finish reason). Against ``accel serve`` it also reads the
+engine's counters from ``/metrics`` before and after the load and reports where the server's
+time went: seconds in verify steps and in prefills, their share of the run's wall time, and the
+mean rows per step (a server without those counters, such as ``transformers serve``, gets no
+such line).
 """
 
 from __future__ import annotations
@@ -30,6 +34,11 @@ from urllib.parse import urlsplit
 import httpx
 
 MAX_TOTAL_REQUESTS = 10_000
+
+#: The ``accel serve`` counters (``GET /metrics``) whose change over the run says where the
+#: engine's time went.
+ENGINE_COUNTERS = ("accel_step_seconds_total", "accel_prefill_seconds_total", "accel_verify_steps_total",
+                   "accel_batch_rows_stepped_total", "accel_prefills_total")
 
 PROMPTS = [
     "What is the capital of France?",
@@ -138,6 +147,49 @@ async def client_loop(http, args, model, index: int, samples: list[Sample]) -> N
             samples.append(Sample(False, False, 0.0, None, 0, None, f"{type(err).__name__}: {err}"))
 
 
+def parse_counters(text: str) -> dict[str, float] | None:
+    """The :data:`ENGINE_COUNTERS` in a Prometheus text exposition, or None unless all are
+    there (samples with labels are summed per metric name)."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) < 2 or line.startswith("#"):
+            continue
+        name = parts[0].partition("{")[0]
+        if name in ENGINE_COUNTERS:
+            try:
+                found[name] = found.get(name, 0.0) + float(parts[1])
+            except ValueError:
+                return None
+    return found if len(found) == len(ENGINE_COUNTERS) else None
+
+
+async def engine_counters(http: httpx.AsyncClient) -> dict[str, float] | None:
+    """The server's :data:`ENGINE_COUNTERS` now, or None (no ``/metrics``, or not accel's)."""
+    try:
+        r = await http.get("/metrics")
+    except httpx.HTTPError:
+        return None
+    return parse_counters(r.text) if r.status_code == 200 else None
+
+
+def engine_time(before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> dict | None:
+    """Where the engine's time went between two :func:`engine_counters` readings: seconds in
+    verify steps and in prefills, their shares of ``wall``, steps, prefills, mean rows per step."""
+    if before is None or after is None:
+        return None
+    d = {name: after[name] - before[name] for name in ENGINE_COUNTERS}
+    steps = d["accel_verify_steps_total"]
+    return {
+        "step_s": d["accel_step_seconds_total"], "prefill_s": d["accel_prefill_seconds_total"],
+        "steps": int(steps), "prefills": int(d["accel_prefills_total"]),
+        "step_share": d["accel_step_seconds_total"] / wall if wall else 0.0,
+        "prefill_share": d["accel_prefill_seconds_total"] / wall if wall else 0.0,
+        "ms_per_step": d["accel_step_seconds_total"] * 1e3 / steps if steps else None,
+        "rows_per_step": d["accel_batch_rows_stepped_total"] / steps if steps else None,
+    }
+
+
 async def run(args: argparse.Namespace) -> dict:
     limits = httpx.Limits(max_connections=args.clients, max_keepalive_connections=args.clients)
     timeout = httpx.Timeout(args.timeout)
@@ -145,6 +197,7 @@ async def run(args: argparse.Namespace) -> dict:
     async with httpx.AsyncClient(base_url=args.url, timeout=timeout, limits=limits) as http:
         models = (await http.get("/v1/models")).json()["data"]
         model = args.model or models[0]["id"]
+        before = await engine_counters(http)
         start = time.perf_counter()
         tasks = [asyncio.create_task(client_loop(http, args, model, c, samples)) for c in range(args.clients)]
         _, pending = await asyncio.wait(tasks, timeout=args.deadline)
@@ -152,8 +205,11 @@ async def run(args: argparse.Namespace) -> dict:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
         wall = time.perf_counter() - start
+        after = await engine_counters(http)
     unfinished = args.clients * args.requests - len(samples)
-    return summarize(samples, wall, unfinished, args)
+    summary = summarize(samples, wall, unfinished, args)
+    summary["engine"] = engine_time(before, after, wall)
+    return summary
 
 
 def summarize(samples: list[Sample], wall: float, unfinished: int, args: argparse.Namespace) -> dict:
@@ -222,6 +278,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"requests/s {summary['requests_per_s']:.2f} | tokens/s {summary['tokens_per_s']:.1f} | "
           f"latency p50 {_fmt(summary['latency_p50_s'])} s p95 {_fmt(summary['latency_p95_s'])} s | "
           f"TTFT p50 {_fmt(summary['ttft_p50_s'])} s p95 {_fmt(summary['ttft_p95_s'])} s")
+    engine = summary["engine"]
+    if engine is not None:
+        per_step = "" if engine["ms_per_step"] is None else \
+            f", {engine['ms_per_step']:.0f} ms each with {engine['rows_per_step']:.1f} rows on average"
+        print(f"engine: {engine['step_s']:.2f} s in {engine['steps']} verify steps ({engine['step_share']:.0%} of the "
+              f"wall{per_step}), {engine['prefill_s']:.2f} s in {engine['prefills']} prefills "
+              f"({engine['prefill_share']:.0%})")
     if summary["finish_reasons"]:
         print("finish reasons:", ", ".join(f"{k} {v}" for k, v in summary["finish_reasons"].items()))
     for error in summary["errors"]:

@@ -4,7 +4,8 @@
 #   bash benchmarks/serve_rounds.sh [ROUNDS] [extra accel serve arguments...]
 # Each round starts `accel serve` (port 8011), runs benchmarks/serve_load.py with 16 clients x
 # 4 chat requests of 64 tokens, non-streaming, stops it, then does the same with transformers'
-# server (port 8012) on the default model's checkpoint, and prints both results and their
+# server (port 8012) on the default model's checkpoint, and prints both results, where accel's
+# engine spent the run (verify steps, prefills: serve_load.py reads them from /metrics) and the
 # ratio, and after several rounds the ratios' geometric mean. A VM's speed drifts over
 # minutes, so compare rounds, not single runs. Run it from the repository's virtual
 # environment (`make venv`), on an otherwise idle machine.
@@ -46,6 +47,7 @@ for round in $(seq "$rounds"); do
   kill "$server"; wait "$server" 2>/dev/null
 
   echo "round $round accel serve:        $(echo "$a_report" | head -2 | tr '\n' ' ')"
+  echo "round $round accel engine:       $(echo "$a_report" | grep '^engine:')"
   echo "round $round transformers serve: $(echo "$t_report" | head -2 | tr '\n' ' ')"
   a="$(echo "$a_report" | tok_s)"; t="$(echo "$t_report" | tok_s)"
   ratios+=("$(awk -v a="$a" -v t="$t" 'BEGIN { print a / t }')")

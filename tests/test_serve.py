@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -546,6 +547,33 @@ def test_load_script_smoke(server, capsys):
     out = capsys.readouterr().out
     assert "4 completed, 0 failed, 0 truncated" in out and "TTFT p50" in out
     assert load.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0 and load.percentile([], 95) is None
+    # the engine's counters, read before and after the load: 2 clients, so 1-2 rows a step
+    engine = re.search(r"engine: ([\d.]+) s in (\d+) verify steps \((\d+)% of the wall, \d+ ms each with "
+                       r"([\d.]+) rows on average\), ([\d.]+) s in (\d+) prefills", out)
+    assert engine, out
+    step_s, steps, share, rows, prefill_s, prefills = map(float, engine.groups())
+    assert step_s > 0 and steps >= 4 and 0 < share <= 100 and 1.0 <= rows <= 2.0
+    assert prefill_s > 0 and 1 <= prefills <= 4  # one prefill per admission of one or both requests
+
+
+def test_load_script_reads_engine_counters_and_skips_servers_without_them():
+    load = _load_script()
+    text = "\n".join(["# HELP accel_step_seconds_total Seconds.", "# TYPE accel_step_seconds_total counter",
+                      "accel_step_seconds_total 10.5", "accel_prefill_seconds_total 1.5",
+                      'accel_verify_steps_total{worker="0"} 60', 'accel_verify_steps_total{worker="1"} 40',
+                      "accel_batch_rows_stepped_total 800", "accel_prefills_total 7", "other_total 3"])
+    before = load.parse_counters(text)
+    assert before["accel_verify_steps_total"] == 100.0 and before["accel_prefills_total"] == 7.0
+    after = dict(before, accel_step_seconds_total=20.5, accel_verify_steps_total=150.0,
+                 accel_batch_rows_stepped_total=1400.0, accel_prefill_seconds_total=2.0, accel_prefills_total=9.0)
+    got = load.engine_time(before, after, wall=20.0)
+    assert got["step_s"] == 10.0 and got["steps"] == 50 and got["step_share"] == 0.5
+    assert got["ms_per_step"] == 200.0 and got["rows_per_step"] == 12.0
+    assert got["prefills"] == 2 and got["prefill_s"] == 0.5 and got["prefill_share"] == 0.025
+    # transformers serve has no such counters (or no /metrics): no engine line
+    assert load.parse_counters("vllm_requests_total 3\n") is None
+    assert load.parse_counters("accel_step_seconds_total x\n" + text) is None
+    assert load.engine_time(None, after, 20.0) is None and load.engine_time(before, None, 20.0) is None
 
 
 def test_accel_serve_command_end_to_end(tmp_path):
