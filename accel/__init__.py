@@ -6,10 +6,10 @@ shared, compressed KV cache that the verifier and every drafter read.
 
 from .api import GenerateResult, StreamDelta, generate, stream
 from .cache import SharedCache
-from .cpu import prepack
+from .kernels.cpu import prepack
 from .engine import Stats
 from .models import load_default, load_model
-from .service import Delta, Engine, RequestHandle, RequestResult
+from .serving.service import Delta, Engine, RequestHandle, RequestResult
 from .strategy import (
     REGISTRY,
     AcceptanceRule,

@@ -609,7 +609,7 @@ def _packed_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling
     cache = getattr(_ordered, "cache", None)
     if cache is not None and attention_mask is not None and attention_mask.dim() == 4 \
             and attention_mask.dtype != torch.bool and query.shape[2] <= _ORDERED_MAX_TOKENS:
-        from .ordered import attend
+        from .kernels.ordered import attend
 
         return attend(query, key, value, attention_mask, cache.layout(_layer_index(module)),
                       scaling if scaling is not None else query.shape[-1] ** -0.5), None
@@ -643,7 +643,7 @@ _ORDERED_MAX_TOKENS = 256
 @contextmanager
 def ordered_attention(cache: Any) -> Iterator[None]:
     """While active (in this thread), attention layers of a model inside
-    :func:`packed_gqa_attention` compute :func:`accel.ordered.attend` over ``cache``'s
+    :func:`packed_gqa_attention` compute :func:`accel.kernels.ordered.attend` over ``cache``'s
     layout (``cache.layout(layer_idx)``) instead of sdpa."""
     outer = getattr(_ordered, "cache", None)
     _ordered.cache = cache

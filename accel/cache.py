@@ -37,7 +37,7 @@ from typing import Callable, Sequence
 import torch
 
 from .adapter import TransformersCache
-from .ordered import Layout
+from .kernels.ordered import Layout
 
 __all__ = ["SharedCache", "RowSelector"]
 
@@ -71,11 +71,11 @@ class SharedCache(TransformersCache):
         # attention sees each layer's entries padded (masked) to a multiple of this many columns:
         # CPU attention kernels sum the last, partial block of keys in another order than full
         # ones, so a row's result would depend on how many entries other tokens added
-        # (accel.invariance sets it for low-precision batches; 1: exactly the entries)
+        # (accel.kernels.invariance sets it for low-precision batches; 1: exactly the entries)
         self.kv_align = 1
-        # attention of accel's forwards over this cache is accel.ordered's (each query from its
+        # attention of accel's forwards over this cache is accel.kernels.ordered's (each query from its
         # own keys in logical order: bit-identical in a tree and in a plain step); set for
-        # low-precision batches by accel.invariance
+        # low-precision batches by accel.kernels.invariance
         self.ordered = False
         self._tree: torch.Tensor | None = None  # [B, T, T] of the step being verified (ordered only)
         self._layouts: dict[tuple, Layout] = {}  # this forward's, by (lengths, pending)
@@ -260,7 +260,7 @@ class SharedCache(TransformersCache):
         """Start an empty cache with one row per item: ``(keys, values, n)`` gives the row the
         first n entries of per-layer keys and values ``[H_kv, >= n, D]`` (a prompt prefix
         computed before) and logical length n; None gives an empty row. The rest of each
-        prompt then runs as a forward on top (:func:`accel.engine.prefill_rest`). Full
+        prompt then runs as a forward on top (:func:`accel.steps.prefill_rest`). Full
         attention only: a sliding-window layer keeps only its window of a prompt."""
         if self.batch_size or self._prefill is not None:
             raise RuntimeError("load_prefixes() on a cache that already holds rows")

@@ -55,7 +55,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from accel.calibrate import calibration_enabled, calibration_key, calibration_path, cost_table
+    from accel.calibration.calibrate import calibration_enabled, calibration_key, calibration_path, cost_table
     from accel.models import load_model
 
     if args.threads is not None:
@@ -100,7 +100,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from accel.serve import run_cli
+    from accel.serving.serve import run_cli
 
     return run_cli(args)
 
@@ -125,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="weights and KV cache dtype (greedy drafting stays exact in each; see accel.invariance)")
+                   help="weights and KV cache dtype (greedy drafting stays exact in each; see accel.kernels.invariance)")
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run a YAML-configured speed-up experiment")

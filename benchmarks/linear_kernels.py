@@ -5,13 +5,13 @@ the median milliseconds of
 
 - ``F.linear(x, W)``: what transformers' ``nn.Linear`` runs (W [out, in]);
 - ``torch.mm(x, W.T)`` with ``W.T`` stored contiguous [in, out] (another BLAS path; what
-  ``F.linear`` runs on weights stored column-major by ``accel.cpu.transpose_weights``);
-- ``accel.cpu.PackedLinear``: the weight packed once for oneDNN;
-- ``accel.cpu.split_linear``: one ``torch.bmm`` over the two halves of W (viewed, not copied).
+  ``F.linear`` runs on weights stored column-major by ``accel.kernels.cpu.transpose_weights``);
+- ``accel.kernels.cpu.PackedLinear``: the weight packed once for oneDNN;
+- ``accel.kernels.cpu.split_linear``: one ``torch.bmm`` over the two halves of W (viewed, not copied).
 
 Which wins depends on the CPU and on M; ``accel calibrate`` chooses among the four for a
 model's decode and verify passes. ``--passes`` also times whole verify passes
-(``accel.timing.time_pass``, ``--cached`` entries) of one copy of the model with every linear
+(``accel.calibration.timing.time_pass``, ``--cached`` entries) of one copy of the model with every linear
 layer on each kernel (plain, transposed, packed, split), the kernels alternating pass by pass:
 the fastest and the median of ``--rounds`` each.
 
@@ -20,7 +20,7 @@ the fastest and the median of ``--rounds`` each.
     python benchmarks/linear_kernels.py --rows 1 2 2048 --repeats 3 --dtype bfloat16   # bf16 weights and rows
 
 ``--dtype bfloat16`` times the first three kernels on bf16 weights and rows (packed: only where
-the CPU has bf16 instructions, ``accel.cpu.bf16_native``; elsewhere oneDNN would convert on
+the CPU has bf16 instructions, ``accel.kernels.cpu.bf16_native``; elsewhere oneDNN would convert on
 the fly), for comparison with the float32 run.
 """
 
@@ -32,9 +32,9 @@ import time
 
 import torch
 
-from accel import timing
-from accel.cpu import PackedLinear, prepack, split_linear, transpose_weights
-from accel.calibrate import _machine
+from accel.calibration import timing
+from accel.kernels.cpu import PackedLinear, prepack, split_linear, transpose_weights
+from accel.calibration.calibrate import _machine
 from accel.models import load_model
 
 
@@ -50,10 +50,10 @@ def _ms(fn, repeats: int) -> float:
 
 
 def _passes(name: str, rows: list[int], rounds: int, cache_lens: list[int]) -> None:
-    """Whole verify passes of one model on each kernel (:func:`accel.timing.linear_kernels`
+    """Whole verify passes of one model on each kernel (:func:`accel.calibration.timing.linear_kernels`
     switches them in place), the kernels alternating pass by pass: fastest and median ms."""
-    from accel.cost_model import KERNELS
-    from accel.cpu import prepack_available
+    from accel.calibration.cost_model import KERNELS
+    from accel.kernels.cpu import prepack_available
 
     model = load_model(name, prepack=False)[0]
     kernels = [k for k in KERNELS if prepack_available() or k in ("plain", "transposed")]

@@ -54,7 +54,7 @@ def _medusa(args) -> Medusa:
 
 def verify_cost(model, args) -> None:
     from accel.cache import SharedCache
-    from accel.engine import prefill, verify
+    from accel.steps import prefill, verify
     from accel.tree import DraftTree
 
     geo = adapter.geometry(model)

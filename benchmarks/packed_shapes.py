@@ -1,10 +1,10 @@
 """Packed linear passes of many row counts: memory and time, bucketed or not, on this machine.
 
 oneDNN builds and caches a kernel for every input shape a packed weight meets
-(``accel.cpu.PackedLinear``); a service prefills prompts of every length. This runs
+(``accel.kernels.cpu.PackedLinear``); a service prefills prompts of every length. This runs
 ``--passes`` passes of random row counts (``--min-rows`` to ``--max-rows``) through the
 default model's four distinct decoder linear shapes, each pass packed, twice in a fresh
-subprocess each: at the pass's own row count, and at ``accel.cpu.packed_rows``'s bucketed one
+subprocess each: at the pass's own row count, and at ``accel.kernels.cpu.packed_rows``'s bucketed one
 (zero rows padded, dropped after). It prints each subprocess's RSS before and after, and the
 seconds of each of ``--rounds`` rounds over the same row counts (the kernel cache warm after
 the first).
@@ -33,7 +33,7 @@ def _rss_mib() -> float:
 def child(args: argparse.Namespace) -> None:
     import torch
 
-    from accel import cpu
+    from accel.kernels import cpu
 
     torch.set_num_threads(args.threads)
     weights = [cpu._pack(torch.randn(o, i)) for o, i in SHAPES]
@@ -72,7 +72,7 @@ def main() -> int:
     if args.child:
         child(args)
         return 0
-    from accel.cpu import prepack_available
+    from accel.kernels.cpu import prepack_available
 
     if not prepack_available():
         print("this torch build cannot pack float32 weights for oneDNN")
@@ -82,7 +82,7 @@ def main() -> int:
     for bucketed in (False, True):
         out = subprocess.run(base + (["--bucketed"] if bucketed else []), capture_output=True, text=True, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
-        label = "bucketed (accel.cpu.packed_rows)" if bucketed else "own row counts"
+        label = "bucketed (accel.kernels.cpu.packed_rows)" if bucketed else "own row counts"
         print(f"{label}: {r['kernel_shapes']} row counts, RSS {r['before']:.0f} -> {r['after']:.0f} MiB "
               f"(+{r['after'] - r['before']:.0f}); seconds per round " + " / ".join(f"{s:.2f}" for s in r["seconds"]))
     return 0

@@ -17,8 +17,8 @@ import torch
 
 from accel import adapter
 from accel.cache import SharedCache
-from accel.engine import prefill, verify
-from accel.cpu import is_prepacked
+from accel.steps import prefill, verify
+from accel.kernels.cpu import is_prepacked
 from accel.models import load_model
 from accel.tree import DraftTree
 
@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--contexts", type=int, nargs="+", default=[512, 4096])
     ap.add_argument("--sizes", type=int, nargs="+", default=[0, 1, 3, 7, 15, 31, 63])
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--no-prepack", action="store_true", help="keep transformers' nn.Linear (no accel.cpu.prepack)")
+    ap.add_argument("--no-prepack", action="store_true", help="keep transformers' nn.Linear (no accel.kernels.cpu.prepack)")
     args = ap.parse_args()
     model, _ = load_model(args.model, dtype=getattr(torch, args.dtype), prepack=not args.no_prepack)
     geo = adapter.geometry(model)

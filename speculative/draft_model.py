@@ -20,7 +20,7 @@ tokens the draft has not seen (the bonus token, and the last draft when all were
 are fed before drafting on.
 
 Drafts only propose, so their weights may be coarser than the target's: ``quantize="int8"``
-drafts with an int8 copy of the draft model's linear layers (:mod:`accel.quant`), which on a
+drafts with an int8 copy of the draft model's linear layers (:mod:`accel.kernels.quant`), which on a
 CPU roughly halves a draft step (bound by reading weights); ``"auto"``, the default, does so
 where calibration measured it faster. Output stays exact either way.
 
@@ -46,12 +46,14 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import ConfigDict, Field, field_serializer, field_validator
 
-from accel import adapter, calibrate
+from accel import adapter
+
+from accel.calibration import calibrate
 from accel.acceptance import draw_from
 from accel.cache import SharedCache
-from accel.engine import prefill, verify
+from accel.steps import prefill, verify
 from accel.models import load_shared
-from accel.quant import int8_copy
+from accel.kernels.quant import int8_copy
 from accel.tree import DraftTree
 from accel.strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy, build_strategy, register
 

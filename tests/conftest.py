@@ -11,7 +11,7 @@ Calibration is off in tests (``ACCEL_CALIBRATION=off``) unless the environment s
 
 MKL runs in its conditional-reproducibility mode (``MKL_CBWR=AVX2``) unless the environment
 sets it. bf16 drafting is exact only where this machine's float32 products pass
-:func:`accel.ordered.probe`, and that property belongs to the kernels: MKL's default AVX2 path
+:func:`accel.kernels.ordered.probe`, and that property belongs to the kernels: MKL's default AVX2 path
 on an AMD EPYC (Zen 3, 2 threads) gives the second matrix of a batch other numbers than the
 first, while the Intel Xeons' does not. With the mode set, the bf16 tests check accel's own
 arithmetic on any x86 machine; the approximate label where the probe fails is tested by

@@ -304,7 +304,7 @@ def test_bf16_drafting_is_exact_where_claimed_on_every_architecture(arch):
     import copy
     import warnings
 
-    from accel import invariance, ordered
+    from accel.kernels import invariance, ordered
     from test_speculative import Scripted
 
     model = copy.deepcopy(arch_model(arch)).to(torch.bfloat16)

@@ -189,8 +189,8 @@ def test_bad_arguments_are_named(kwargs, match):
 
 
 def test_the_guard_decides_whether_a_measured_batch_drafts(monkeypatch):
-    from accel import calibrate
-    from accel.cost_model import CostTable, DraftGuard
+    from accel.calibration import calibrate
+    from accel.calibration.cost_model import CostTable, DraftGuard
 
     model = make_tiny_model(seed=36)
     prompts = _prompts(3, seed=60)
@@ -210,8 +210,9 @@ def test_the_guard_decides_whether_a_measured_batch_drafts(monkeypatch):
 
 
 def test_each_batch_size_keeps_its_guard_across_calls(monkeypatch):
-    from accel import calibrate, engine
-    from accel.cost_model import CostTable
+    from accel.calibration import calibrate
+    from accel import engine
+    from accel.calibration.cost_model import CostTable
 
     model = make_tiny_model(seed=37)
     flat = CostTable(tokens=(1, 64), cache_lens=(256,), ms=((10.0, 10.5),))  # measured: the guard is live
@@ -302,7 +303,7 @@ def test_a_malformed_proposal_fails_its_request_alone():
 def test_a_new_row_probes_drafts_where_a_two_token_pass_is_dear_and_garbage_stops(monkeypatch):
     from accel import engine
     from accel.acceptance import Acceptance
-    from accel.cost_model import CostTable
+    from accel.calibration.cost_model import CostTable
     from accel.tree import DraftTree
 
     # the shape calibration measured on an AMD EPYC Zen 3 (split kernel for one token): a

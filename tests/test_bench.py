@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from accel.bench import ConfigError, load_config, run_experiment
-from accel.cpu import PackedLinear, prepack, prepack_available
+from accel.kernels.cpu import PackedLinear, prepack, prepack_available
 from accel.bench.runner import _agreement, _schedule
 from accel.bench.schema import apply_overrides
 from accel.bench.tasks import build_items, score

@@ -8,11 +8,11 @@ import json
 import pytest
 import torch
 
-from accel import calibrate, timing
+from accel.calibration import calibrate, timing
 from accel.cli import main
-from accel.cost_model import (CostTable, DraftGuard, acceptance_gains, allocate_drafts, chosen_kernels, in_window,
+from accel.calibration.cost_model import (CostTable, DraftGuard, acceptance_gains, allocate_drafts, chosen_kernels, in_window,
                                split_rows, static_table, weight_layout)
-from accel.cpu import PackedLinear, is_prepacked, is_transposed, prepack, prepack_available
+from accel.kernels.cpu import PackedLinear, is_prepacked, is_transposed, prepack, prepack_available
 from accel.models import _prepacked, load_model
 from helpers import make_tiny_model
 
@@ -255,7 +255,7 @@ def test_a_table_is_read_for_the_kernels_the_model_runs():
 
 
 def test_step_costs_follow_the_weight_layout_the_model_has(monkeypatch):
-    from accel import cpu
+    from accel.kernels import cpu
 
     tokens = (1, 2, 8, 32)
     grids = {"plain": ((10.0, 12.0, 20.0, 40.0),), "transposed": ((10.0, 14.0, 14.0, 26.0),)}
@@ -461,7 +461,7 @@ def test_cli_calibrate_prints_the_table_and_where_it_is_cached(calib_cache, monk
 
 
 def test_measured_grid_is_made_non_decreasing():
-    from accel.cost_model import monotone as _monotone
+    from accel.calibration.cost_model import monotone as _monotone
 
     assert _monotone([[5.0, 4.0, 6.0], [3.0, 7.0, 6.5]]) == ((5.0, 5.0, 6.0), (5.0, 7.0, 7.0))
 
@@ -575,7 +575,7 @@ def test_a_per_token_drafter_cost_stops_the_chain_where_it_stops_paying():
 
 
 def test_draft_cost_fits_a_line_in_the_tokens_drafted():
-    from accel.cost_model import DraftCost
+    from accel.calibration.cost_model import DraftCost
 
     assert DraftCost().fit() == (0.0, 0.0)
     chain = DraftCost()  # a draft model: 45 ms a token, nothing fixed
@@ -608,7 +608,7 @@ def test_draft_cost_fits_a_line_in_the_tokens_drafted():
 @pytest.fixture
 def fake_int8_times(monkeypatch):
     """time_pass answers from a table by whether the model has int8 layers; counts calls."""
-    from accel.quant import is_int8
+    from accel.kernels.quant import is_int8
 
     times = {"float": 10.0, "int8": 5.0, "calls": 0}
 
@@ -628,7 +628,7 @@ def test_prefer_int8_measures_once_then_reads_the_cache(calib_cache, fake_int8_t
     assert calibrate.prefer_int8(model) is expected
     measured = fake_int8_times["calls"]
     assert measured >= 2
-    from accel import quant
+    from accel.kernels import quant
     assert (model in quant._COPIES) is expected  # a losing int8 copy is not kept
     files = [p for p in (calib_cache / "calibration").glob("*.json")]
     assert len(files) == 1 and json.loads(files[0].read_text())["int8_ms"] == int8_ms
@@ -648,7 +648,7 @@ def test_prefer_int8_is_off_without_calibration_or_off_a_float32_cpu_model(calib
 
 @pytest.mark.parametrize("int8_ms, expected", [(5.0, True), (20.0, False)])
 def test_auto_quantize_drafts_in_int8_where_it_measured_faster(calib_cache, fake_int8_times, int8_ms, expected):
-    from accel.quant import is_int8
+    from accel.kernels.quant import is_int8
     from speculative import DraftModel
 
     target, draft = make_tiny_model(seed=1), make_tiny_model(seed=2)
@@ -695,8 +695,8 @@ def test_split_kernels_take_the_fewest_tokens_where_they_beat_every_other_choice
 @pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
 @pytest.mark.parametrize("split, expected", [((), 0), ((1,), 1), ((1, 8), 8), ((8,), 0)])
 def test_auto_prepack_applies_the_split_window_of_the_table(calib_cache, monkeypatch, split, expected):
-    from accel.calibrate import step_costs
-    from accel.cpu import split_rows as model_split_rows
+    from accel.calibration.calibrate import step_costs
+    from accel.kernels.cpu import split_rows as model_split_rows
 
     monkeypatch.setattr(timing, "measure", fake_measure(packed=(1, 8, 64), split=split))
     reference = make_tiny_model()

@@ -1,4 +1,4 @@
-"""accel.cpu.prepack: oneDNN-packed linear layers."""
+"""accel.kernels.cpu.prepack: oneDNN-packed linear layers."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from accel.cpu import PackedLinear, is_prepacked, prepack, prepack_available
+from accel.kernels.cpu import PackedLinear, is_prepacked, prepack, prepack_available
 from helpers import make_tiny_model
 
 pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN linear packing")
@@ -127,7 +127,7 @@ def test_a_weight_changed_in_place_is_packed_again():
 
 
 def test_unprepack_restores_plain_linears_with_the_same_parameters():
-    from accel.cpu import unprepack
+    from accel.kernels.cpu import unprepack
 
     model = make_tiny_model(seed=6, tie_word_embeddings=True)
     params = {n: p.data_ptr() for n, p in model.named_parameters()}
@@ -143,7 +143,7 @@ def test_unprepack_restores_plain_linears_with_the_same_parameters():
 
 
 def test_a_window_of_rows_runs_packed_kernels_and_plain_ones_outside_it(monkeypatch):
-    import accel.cpu as cpu
+    import accel.kernels.cpu as cpu
 
     calls: list[int] = []
     real = cpu._packed_linear
@@ -170,7 +170,7 @@ def test_a_window_of_rows_runs_packed_kernels_and_plain_ones_outside_it(monkeypa
 
 
 def test_packed_passes_of_many_lengths_run_a_bounded_set_of_row_counts(monkeypatch):
-    import accel.cpu as cpu
+    import accel.kernels.cpu as cpu
 
     assert [cpu.packed_rows(n) for n in (1, 17, 32, 33, 34, 63, 64, 65, 700, 2049)] == [
         1, 17, 32, 34, 34, 64, 64, 68, 704, 2176]
@@ -194,7 +194,7 @@ def test_packed_passes_of_many_lengths_run_a_bounded_set_of_row_counts(monkeypat
 @pytest.mark.parametrize("shape", [(1, 8), (3, 8), (2, 5, 8)])
 @pytest.mark.parametrize("bias", [True, False])
 def test_split_linear_is_f_linear_over_two_halves(shape, bias):
-    from accel.cpu import split_linear
+    from accel.kernels.cpu import split_linear
 
     linear = nn.Linear(8, 6, bias=bias)
     x = torch.randn(*shape)
@@ -207,7 +207,7 @@ def test_split_linear_is_f_linear_over_two_halves(shape, bias):
 
 
 def test_a_split_window_runs_before_the_packed_one(monkeypatch):
-    import accel.cpu as cpu
+    import accel.kernels.cpu as cpu
 
     calls: list[tuple[str, int]] = []
     real_split, real_packed = cpu.split_linear, cpu._packed_linear
@@ -230,7 +230,7 @@ def test_a_split_window_runs_before_the_packed_one(monkeypatch):
     layer(x).sum().backward()  # gradients: F.linear, never the inference kernels
     assert calls == [] and x.grad is not None
     model = prepack(make_tiny_model(seed=6), min_rows=2, split_rows=1)
-    from accel.cpu import split_rows
+    from accel.kernels.cpu import split_rows
 
     assert split_rows(model) == 1 and "split for rows <= 1" in repr(model.lm_head)
     prepack(model, min_rows=2)  # setting the windows again resets the split one too

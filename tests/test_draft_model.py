@@ -82,7 +82,7 @@ def test_greedy_equals_plain_greedy(draft_kind, where):
 def test_int8_draft_of_the_target_itself_agrees_mostly_and_stays_exact():
     """The target drafting for itself in int8: its drafts are the int8 model's greedy chain
     (not the float one's), most of them accepted, the output the float target's."""
-    from accel.quant import int8_copy, is_int8
+    from accel.kernels.quant import int8_copy, is_int8
 
     target = make_tiny_model(**TARGET)
     ids = _prompt(3, 40)

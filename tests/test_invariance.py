@@ -1,4 +1,4 @@
-"""Batch-invariant verification in low precision (accel.invariance): the probe's logic on
+"""Batch-invariant verification in low precision (accel.kernels.invariance): the probe's logic on
 fake kernels, the aligned cache, and greedy exactness of drafting in bfloat16."""
 
 from __future__ import annotations
@@ -10,10 +10,12 @@ import pytest
 import torch
 
 import accel
-from accel import adapter, invariance
+from accel import adapter
+from accel.kernels import invariance
 from accel.cache import SharedCache
-from accel.cost_model import CostTable, allocate_drafts
-from accel.engine import Batch, prefill, verify_logits
+from accel.calibration.cost_model import CostTable, allocate_drafts
+from accel.engine import Batch
+from accel.steps import prefill, verify_logits
 from accel.strategy import DraftProposal
 from accel.tree import DraftTree
 from helpers import TINY_VOCAB, make_tiny_model
@@ -148,7 +150,7 @@ def test_bf16_greedy_drafting_equals_plain_bf16_decoding(mode):
 def test_bf16_logits_of_any_tree_equal_plain_steps_bit_for_bit(gather, monkeypatch):
     # independent of the probe's own shapes: other prompt lengths, a wide tree, three rows;
     # committed blocks read in place (gather=0) and every query's keys gathered
-    from accel import ordered
+    from accel.kernels import ordered
 
     monkeypatch.setattr(ordered, "GATHER", gather)
     model = _bf16(seed=7)

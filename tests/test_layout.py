@@ -1,4 +1,4 @@
-"""accel.cpu.transpose_weights: linear weights stored column-major (same values, no extra memory),
+"""accel.kernels.cpu.transpose_weights: linear weights stored column-major (same values, no extra memory),
 alone and with packed layers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import accel
-from accel.cpu import PackedLinear, is_transposed, prepack, prepack_available, transpose_weights, untranspose_weights
+from accel.kernels.cpu import PackedLinear, is_transposed, prepack, prepack_available, transpose_weights, untranspose_weights
 from helpers import make_tiny_model
 from speculative import PromptLookup
 

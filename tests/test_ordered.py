@@ -1,4 +1,4 @@
-"""Ordered attention (accel.ordered): the same numbers as sdpa up to float32 rounding, and
+"""Ordered attention (accel.kernels.ordered): the same numbers as sdpa up to float32 rounding, and
 bit for bit the same for a query whatever else is verified with it."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accel import ordered
-from accel.ordered import Layout, attend
+from accel.kernels import ordered
+from accel.kernels.ordered import Layout, attend
 
 LOW = torch.finfo(torch.bfloat16).min
 
@@ -94,7 +94,7 @@ def test_a_node_gets_the_plain_steps_numbers_bit_for_bit(gather, monkeypatch):
 
 
 def test_probe_passes_on_this_machine_or_ordered_is_off():
-    from accel import invariance
+    from accel.kernels import invariance
     from helpers import make_tiny_model
 
     model = make_tiny_model(seed=2, hidden_size=192, num_attention_heads=3, num_kv_heads=1,

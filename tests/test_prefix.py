@@ -1,4 +1,4 @@
-"""Prompt prefix reuse (accel.prefix): the store, loading prefixes into a cache, and the
+"""Prompt prefix reuse (accel.serving.prefix): the store, loading prefixes into a cache, and the
 Engine giving every request exactly its alone tokens while reusing entries."""
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ import torch
 import accel
 from accel import adapter
 from accel.cache import SharedCache
-from accel.engine import prefill, prefill_rest
+from accel.steps import prefill, prefill_rest
 from accel.api import make_rows
-from accel.cost_model import CostTable, sharing_pays
+from accel.calibration.cost_model import CostTable, sharing_pays
 from accel.engine import Batch, plan_strategies
-from accel.prefix import PrefixStore
-from accel.service import DEFAULT_PREFIX_CACHE_MB
+from accel.serving.prefix import PrefixStore
+from accel.serving.service import DEFAULT_PREFIX_CACHE_MB
 from helpers import TINY_VOCAB, make_tiny_model
 from snapkv import SnapKV
 from speculative import PromptLookup

@@ -1,4 +1,4 @@
-"""accel.quant: int8 copies of models that only draft."""
+"""accel.kernels.quant: int8 copies of models that only draft."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from accel.cpu import PackedLinear, prepack, prepack_available
-from accel.quant import Int8Linear, int8_available, int8_copy, is_int8
+from accel.kernels.cpu import PackedLinear, prepack, prepack_available
+from accel.kernels.quant import Int8Linear, int8_available, int8_copy, is_int8
 from helpers import TINY_VOCAB, make_tiny_model
 
 pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch build has no int8 linear kernel")

@@ -207,7 +207,7 @@ def test_a_raising_on_delta_callback_cancels_its_request_only(model):
 
 
 def test_the_engine_gives_freed_memory_back_once_each_time_it_goes_idle(model, monkeypatch):
-    import accel.service as service
+    import accel.serving.service as service
 
     trims: list[float] = []
     monkeypatch.setattr(service, "_trim_heap", lambda: trims.append(time.perf_counter()))
@@ -224,7 +224,7 @@ def test_the_engine_gives_freed_memory_back_once_each_time_it_goes_idle(model, m
 def test_the_heap_trim_is_glibcs_malloc_trim_where_the_c_library_is_glibc():
     import platform
 
-    import accel.service as service
+    import accel.serving.service as service
 
     assert (service._malloc_trim() is not None) == (platform.libc_ver()[0] == "glibc")
     service._trim_heap()  # runs (or does nothing off glibc) without raising

@@ -6,7 +6,7 @@ import torch
 import accel
 from accel import adapter
 from accel.cache import SharedCache
-from accel.engine import prefill
+from accel.steps import prefill
 from helpers import TINY_VOCAB, make_tiny_model
 from snapkv import H2O, SnapKV, StreamingLLM
 from snapkv.scoring import snapkv_indices
@@ -120,7 +120,7 @@ def test_ada_snapkv_stores_uneven_heads_with_padding_masked_out():
                     k = c._k[layer][:, :, : pad.shape[2]]
                     k[pad] = 50.0
                     c._v[layer][:, :, : pad.shape[2]][pad] = -30.0
-        from accel.engine import verify
+        from accel.steps import verify
         from accel.tree import DraftTree
 
         tree = DraftTree.chain(5, [6, 7, 8])

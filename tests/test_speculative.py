@@ -137,7 +137,7 @@ def test_drafter_with_top_k_1_sampling_equals_greedy():
 def test_packed_gqa_attention_matches_sdpa_and_is_restored():
     from accel import adapter
     from accel.cache import SharedCache
-    from accel.engine import prefill, verify
+    from accel.steps import prefill, verify
     from accel.tree import DraftTree
 
     model = make_tiny_model(seed=17)  # 4 query heads on 2 KV heads

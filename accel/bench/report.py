@@ -176,9 +176,9 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         f"- **Machine:** {_machine_line(machine)}",
         f"- **Model:** {machine['model']} ({_model_name(machine)}{machine['model_class']}, {params:.1f}M parameters), "
         f"{machine['dtype']} on {machine['device']}"
-        + ("; linear weights stored column-major (`accel.cpu.transpose_weights`), baselines included"
+        + ("; linear weights stored column-major (`accel.kernels.cpu.transpose_weights`), baselines included"
            if machine.get("transposed") else "")
-        + ("; linear weights prepacked for oneDNN (`accel.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
+        + ("; linear weights prepacked for oneDNN (`accel.kernels.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
         f"- **Generation:** "
         + ("greedy" if not gen.get("temperature") else
            f"sampled at temperature {gen['temperature']}" + (f", top_p {gen['top_p']}" if gen.get("top_p") else "")

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import adapter
-from ..cpu import is_prepacked, is_transposed
+from ..kernels.cpu import is_prepacked, is_transposed
 from ..strategy import Strategy, build_strategies
 from . import batched as bt
 from .batched import BatchMeasurement, cut_at_eos, percentile, sync_device
@@ -193,9 +193,9 @@ class PeakMemory:
 
 def _plain_kernels(model: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` run with ``model``'s linear layers on plain kernels, row-major and unpacked
-    (:func:`accel.timing.linear_kernels`; the swap, a few module references and, on a model
+    (:func:`accel.calibration.timing.linear_kernels`; the swap, a few module references and, on a model
     with transposed weights, a copy of them, is outside the call's timing)."""
-    from accel.timing import linear_kernels
+    from accel.calibration.timing import linear_kernels
 
     def run(*args: Any, **kwargs: Any) -> Any:
         with linear_kernels(model) as use:

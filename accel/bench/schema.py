@@ -268,7 +268,7 @@ class Experiment(_Model):
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Model weights and KV cache dtype."""
     prepack: bool | Literal["auto"] = "auto"
-    """Pack float32 linear weights for oneDNN once (``accel.cpu.prepack``; CPU only): true,
+    """Pack float32 linear weights for oneDNN once (``accel.kernels.cpu.prepack``; CPU only): true,
     false, or ``auto`` (where this machine's calibration measured packed kernels faster). The
     baselines run on the same model, so they get the same kernels."""
     device: str = "cpu"

@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, field_serializer, field_validator
 
-from accel.cpu import PackedLinear
+from accel.kernels.cpu import PackedLinear
 from accel.strategy import DraftContext, DraftProposal, Drafter, register
 
 from .dynamic_tree import dynamic_tree, dynamic_trees

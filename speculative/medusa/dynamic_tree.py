@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from accel.cpu import PackedLinear
+from accel.kernels.cpu import PackedLinear
 from accel.strategy import DraftProposal
 
 from .packed import LoadedHeads

@@ -24,12 +24,15 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import torch
 
-if TYPE_CHECKING:
-    from .heads import MedusaHeads
+from accel.files import atomic_path, write_text_atomic
+
+# The heads' class (speculative.medusa.heads.MedusaHeads) is passed in by its class methods,
+# so this module does not import it.
+Heads = TypeVar("Heads", bound=torch.nn.Module)
 
 __all__ = [
     "WEIGHTS_NAME",
@@ -74,7 +77,7 @@ def resolve_heads_dir(heads: str | os.PathLike) -> Path:
 # --------------------------------------------------------------------------- accel's format
 
 
-def heads_config(heads: MedusaHeads) -> dict[str, Any]:
+def heads_config(heads: torch.nn.Module) -> dict[str, Any]:
     """The JSON config saved beside the weights."""
     return {
         "format": FORMAT,
@@ -90,7 +93,7 @@ def heads_config(heads: MedusaHeads) -> dict[str, Any]:
     }
 
 
-def save_heads(heads: MedusaHeads, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+def save_heads(heads: torch.nn.Module, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
     """Write ``medusa_heads.safetensors`` (in ``dtype``, default as held) and
     ``medusa_config.json`` into ``folder``, each atomically. Returns the folder."""
     from safetensors.torch import save_file
@@ -99,18 +102,13 @@ def save_heads(heads: MedusaHeads, folder: str | os.PathLike, dtype: torch.dtype
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
              for k, v in heads.state_dict().items()}
-    tmp = folder / f".{WEIGHTS_NAME}.tmp-{os.getpid()}"
-    save_file(state, str(tmp), metadata={"format": FORMAT})
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, folder / WEIGHTS_NAME)
-    cfg = heads_config(heads)
-    tmp = folder / f".{CONFIG_NAME}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(cfg, indent=2) + "\n")
-    os.replace(tmp, folder / CONFIG_NAME)
+    with atomic_path(folder / WEIGHTS_NAME) as tmp:
+        save_file(state, str(tmp), metadata={"format": FORMAT})
+    write_text_atomic(folder / CONFIG_NAME, json.dumps(heads_config(heads), indent=2) + "\n")
     return folder
 
 
-def read_heads(cls: type[MedusaHeads], folder: str | os.PathLike) -> MedusaHeads:
+def read_heads(cls: type[Heads], folder: str | os.PathLike) -> Heads:
     """Heads of class ``cls`` from ``folder`` in either format, or the shipped heads with
     ``"default"``."""
     path = resolve_heads_dir(folder)
@@ -124,7 +122,7 @@ def read_heads(cls: type[MedusaHeads], folder: str | os.PathLike) -> MedusaHeads
     )
 
 
-def read_ours(cls: type[MedusaHeads], folder: Path) -> MedusaHeads:
+def read_ours(cls: type[Heads], folder: Path) -> Heads:
     """Heads saved by :func:`save_heads` in ``folder``."""
     cfg_file = folder / CONFIG_NAME
     cfg = _read_json(cfg_file)
@@ -166,7 +164,7 @@ def read_ours(cls: type[MedusaHeads], folder: Path) -> MedusaHeads:
 # --------------------------------------------------------------------------- the official format
 
 
-def read_official(cls: type[MedusaHeads], folder: str | os.PathLike) -> MedusaHeads:
+def read_official(cls: type[Heads], folder: str | os.PathLike) -> Heads:
     """Heads saved in the official Medusa format (see the module docstring) in ``folder``, as
     heads of class ``cls`` with their own output layers."""
     folder = Path(folder)
@@ -251,12 +249,12 @@ def _take(raw: dict[str, torch.Tensor], key: str, where: Path) -> torch.Tensor:
     return raw.pop(key)
 
 
-def _describe(heads: MedusaHeads) -> str:
+def _describe(heads: torch.nn.Module) -> str:
     return (f"config: {heads.num_heads} {'sequential' if heads.sequential else 'independent'} heads x "
             f"{heads.num_layers} layers, own_lm_head={heads.own_lm_head}")
 
 
-def _load_state(heads: MedusaHeads, state: dict[str, torch.Tensor], where: Path) -> None:
+def _load_state(heads: torch.nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
     """Check names and shapes against ``heads`` and load (as float32); ValueError otherwise."""
     expected = heads.state_dict()
     missing = [k for k in expected if k not in state]

@@ -31,7 +31,7 @@ from . import formats
 __all__ = ["residual_block", "head_hidden", "ResBlock", "PathBlock", "MedusaHead", "MedusaHeads"]
 
 
-#: A linear map [..., in] -> [..., out]: an ``nn.Linear``, a :class:`~accel.cpu.PackedLinear`,
+#: A linear map [..., in] -> [..., out]: an ``nn.Linear``, a :class:`~accel.kernels.cpu.PackedLinear`,
 #: or one batched matmul over the stacked layers of several heads.
 Linear = Callable[[torch.Tensor], torch.Tensor]
 

@@ -3,7 +3,7 @@
 :func:`pack_heads` lays a :class:`~.heads.MedusaHeads` module's weights out for the decode
 loop's case of one hidden vector at a time: independent heads stacked so all K run as one
 batched matmul per layer (:class:`PackedHeads`), sequential heads as
-:class:`~accel.cpu.PackedLinear` layers (oneDNN-packed on CPUs) drafting a tree a level at a
+:class:`~accel.kernels.cpu.PackedLinear` layers (oneDNN-packed on CPUs) drafting a tree a level at a
 time (:class:`PackedPathHeads`). :func:`load_heads` reads, packs and caches heads per folder,
 dtype and device, so strategies hold configuration only and every request shares the
 weights; :func:`lm_layer` does the same for the model's output layer in the head dtype.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.cpu import PackedLinear, bf16_native
+from accel.kernels.cpu import PackedLinear, bf16_native
 
 from .formats import resolve_heads_dir
 from .heads import MedusaHeads, head_hidden
@@ -118,7 +118,7 @@ class PackedHeads:
 @dataclass(frozen=True)
 class PackedPathHeads:
     """Sequential heads' weights, for drafting a tree one level at a time; every matrix a
-    :class:`~accel.cpu.PackedLinear` (oneDNN-packed on CPUs, so a few rows cost little).
+    :class:`~accel.kernels.cpu.PackedLinear` (oneDNN-packed on CPUs, so a few rows cost little).
 
     blocks: per head, its L residual blocks' linear layers, the first the path block of head
         k (0-based) with weight [H, (k + 2) H], the others [H, H]; lm_heads: per head its own
@@ -219,7 +219,7 @@ def load_heads(heads: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
 
 def lm_layer(out: nn.Module, dtype: torch.dtype, rows: torch.Tensor | None = None) -> PackedLinear:
     """The model's output layer ``out`` (weight [V, H], optional bias; only ``rows`` if
-    given) in ``dtype``, as a :class:`~accel.cpu.PackedLinear`: ``out`` itself when it
+    given) in ``dtype``, as a :class:`~accel.kernels.cpu.PackedLinear`: ``out`` itself when it
     already is one over all rows in that dtype, else a packed copy cached for the weight's
     life. ``rows`` must be a long-lived tensor (the cached heads' subset)."""
     weight, bias = out.weight, getattr(out, "bias", None)
@@ -242,6 +242,6 @@ def lm_layer(out: nn.Module, dtype: torch.dtype, rows: torch.Tensor | None = Non
 
 def bf16_fast_on_cpu() -> bool:
     """Whether bfloat16 matmuls are fast on this CPU (``head_dtype="auto"`` and training's
-    defaults read it): only with native bf16 instructions (:func:`accel.cpu.bf16_native`);
+    defaults read it): only with native bf16 instructions (:func:`accel.kernels.cpu.bf16_native`);
     without them oneDNN's bf16 kernels are correct but slower than float32."""
     return bf16_native()

@@ -25,12 +25,12 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import adapter
-from .api import _as_rows, check_sampling, make_rows
-from .engine import DEFAULT_MAX_DRAFT, Batch, Plan, Row, Stats, plan_strategies
+from .. import adapter
+from ..api import _as_rows, check_sampling, make_rows
+from ..engine import DEFAULT_MAX_DRAFT, Batch, Plan, Row, Stats, plan_strategies
 from .prefix import PrefixStore
-from .strategy import Strategy, build_strategies
-from .text import TextStream
+from ..strategy import Strategy, build_strategies
+from ..text import TextStream
 
 #: MiB of prompt entries an Engine keeps for reuse by default (about 5,700 prompt tokens of
 #: the default model in float32, 4,600 of Qwen2.5-Coder-1.5B; a prompt larger than this is not kept).
@@ -195,7 +195,7 @@ class Engine:
         prefix_cache_mb: MiB of recent prompts' KV entries kept, so that a prompt that starts
             like an earlier one (the chat template's system turn, the previous turn of a
             conversation, a retry) is prefilled only past the shared tokens (see
-            :mod:`accel.prefix`; float32 models, rows without prompt compression); 0: off.
+            :mod:`accel.serving.prefix`; float32 models, rows without prompt compression); 0: off.
     """
 
     def __init__(self, model: Any, strategies: Sequence[Strategy | str | dict] | None = (), *, max_batch: int = 8,

@@ -7,9 +7,9 @@ order of summation, by the shapes they get. In float32 the difference is a few u
 flipped a greedy token in our tests; in bfloat16 it is ~1e-2 in the logits, enough to flip
 greedy tokens. Two measures, in low precision:
 
-- **Attention** is :mod:`accel.ordered`'s wherever :func:`ordered` holds (the model's
+- **Attention** is :mod:`accel.kernels.ordered`'s wherever :func:`ordered` holds (the model's
   attention is sdpa or flash-attention without soft-capping or sinks, and this machine's
-  float32 products pass :func:`accel.ordered.probe`; MKL's default AVX2 path on an AMD EPYC
+  float32 products pass :func:`accel.kernels.ordered.probe`; MKL's default AVX2 path on an AMD EPYC
   Zen 3 does not, and passes with ``MKL_CBWR=AVX2`` set before the process starts, at no
   measured cost to its float32 linears): each query's attention is computed
   from its own keys in logical order, so a node's key sitting after its siblings' in a tree,
@@ -20,7 +20,7 @@ greedy tokens. Two measures, in low precision:
   on the Xeon of family 6 model 207 the probe failed at every row count).
 - **Linear layers**: a verify pass pads every row's tree to a multiple of ``r`` query tokens
   (padding sees only itself and is dropped at commit), and the output layer gets a multiple
-  of ``r`` rows (``engine.verify(..., min_nodes=r)``). Measured: on the Ice Lake Xeon a
+  of ``r`` rows (``steps.verify(..., min_nodes=r)``). Measured: on the Ice Lake Xeon a
   bfloat16 ``F.linear`` gave one result per row for 1, for 2-3 and for 4 or more rows; on the
   model 207 Xeon a ``down_proj`` of one row differed from the same row among two or more.
 
@@ -50,10 +50,10 @@ from typing import Sequence
 
 import torch
 
-from . import adapter
-from .cache import SharedCache
-from .strategy import DraftProposal
-from .tree import DraftTree
+from .. import adapter
+from ..cache import SharedCache
+from ..strategy import DraftProposal
+from ..tree import DraftTree
 
 __all__ = ["CANDIDATES", "KV_ALIGN", "probe", "verify_rows", "kv_align", "is_exact"]
 
@@ -73,7 +73,7 @@ _lock = threading.Lock()
 
 
 def _fresh(model, geo, prompt: torch.Tensor, align: int) -> tuple[SharedCache, int]:
-    from .engine import prefill
+    from ..steps import prefill
 
     cache = SharedCache(geo.num_layers, adapter.layer_windows(model))
     cache.kv_align = align
@@ -105,7 +105,7 @@ def probe(model, rows: int, align: int = KV_ALIGN, prompts: Sequence[torch.Tenso
 
 
 def _probe_row(model, geo, vocab: int, rows: int, align: int, prompts: list[torch.Tensor]) -> bool:
-    from .engine import verify_logits
+    from ..steps import verify_logits
 
     groups = geo.num_heads // geo.num_kv_heads
     p0 = prompts[0]
@@ -185,10 +185,10 @@ def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, bool]
             why = f"none of {list(candidates)} query rows per step gave bit-identical logits on this machine"
         elif not use_ordered:
             why = (f"padded to {full} query rows per step it passed the invariance probe, but without ordered "
-                   "attention (see accel.invariance) draft trees can still differ from plain decoding in the "
+                   "attention (see accel.kernels.invariance) draft trees can still differ from plain decoding in the "
                    "last bits")
             if adapter.ordered_capable(model):
-                why += ("; this machine's float32 products failed accel.ordered.probe (with MKL on an AMD CPU, "
+                why += ("; this machine's float32 products failed accel.kernels.ordered.probe (with MKL on an AMD CPU, "
                         "setting MKL_CBWR=AVX2 before the process starts makes them pass)")
         elif windows:
             why = ("its sliding-window layers trim entries by what each step accepted, so a token's keys "
@@ -205,9 +205,9 @@ def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, bool]
 
 
 def ordered(model) -> bool:
-    """Whether accel's verify forwards of ``model`` use :mod:`accel.ordered` attention: in
+    """Whether accel's verify forwards of ``model`` use :mod:`accel.kernels.ordered` attention: in
     low precision, where the model's attention allows it (:func:`accel.adapter.ordered_capable`)
-    and this machine's float32 products pass :func:`accel.ordered.probe`."""
+    and this machine's float32 products pass :func:`accel.kernels.ordered.probe`."""
     geo = adapter.geometry(model)
     return (geo.dtype != torch.float32 and adapter.ordered_capable(model)
             and _ordered_probe(geo.head_dim, geo.num_heads // geo.num_kv_heads))
@@ -241,10 +241,10 @@ def is_exact(model) -> bool:
     return _probed(model)[1]
 
 
-def _main() -> None:  # python -m accel.invariance [dtype]: which row counts are invariant here
+def _main() -> None:  # python -m accel.kernels.invariance [dtype]: which row counts are invariant here
     import sys
 
-    from .models import load_default
+    from ..models import load_default
 
     dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
     model, _ = load_default(dtype=dtype, prepack=False)

@@ -4,7 +4,7 @@ rows, gets bit for bit what a plain decoding step at its position gets.
 
 Why: CPU attention kernels (sdpa's flash kernel, a float32 GEMM) choose blocking and
 summation order by the shapes they are given. In float32 that moves results by an ulp; in
-bfloat16 it flips greedy tokens, and padding the shapes (the older :mod:`accel.invariance`
+bfloat16 it flips greedy tokens, and padding the shapes (the older :mod:`accel.kernels.invariance`
 scheme) cannot fix where a node's key sits: in a tree it sits after its siblings', in a plain
 step next to its ancestors'.
 

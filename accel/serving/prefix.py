@@ -7,7 +7,7 @@ conversation starts with the whole previous turn, and a retried request is the s
 again. :class:`PrefixStore` keeps the committed prompt entries of recent requests, least
 recently used first out, within a byte budget; :meth:`accel.engine.Batch.admit` loads the
 longest stored prefix of each new prompt into its row and runs only the rest of the prompt
-(:func:`accel.engine.prefill_rest`), one forward for every admitted row.
+(:func:`accel.steps.prefill_rest`), one forward for every admitted row.
 
 What is reused is what the prefill computed for the same tokens at the same positions, so
 the row's entries are the entries it would have; the rest of the prompt is computed as a
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .cache import SharedCache
+from ..cache import SharedCache
 
 __all__ = ["PrefixStore", "PrefixMatch", "common_prefix", "shared_prefix"]
 

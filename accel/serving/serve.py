@@ -21,7 +21,7 @@ text that could be the start of a stop string is held back until it is known not
 a matched request is cancelled in the engine. A client that disconnects cancels its request.
 
 The engine's thread hands each request's deltas to the event loop
-(:meth:`accel.service.RequestHandle.on_delta`, ``call_soon_threadsafe`` into an
+(:meth:`accel.serving.service.RequestHandle.on_delta`, ``call_soon_threadsafe`` into an
 ``asyncio.Queue``): no thread per request, and the loop itself never blocks on the engine.
 """
 
@@ -40,8 +40,8 @@ from typing import Any, AsyncIterator, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .strategy import StrategyError, build_strategies
-from .text import TextStream
+from ..strategy import StrategyError, build_strategies
+from ..text import TextStream
 
 try:
     import anyio
@@ -61,7 +61,7 @@ __all__ = [
     "run_cli",
 ]
 
-log = logging.getLogger("accel.serve")
+log = logging.getLogger("accel.serving.serve")
 
 #: Request bodies larger than this are refused with 413.
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -478,7 +478,7 @@ class _Server:
         )
 
     def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        from .models import chat_ids
+        from ..models import chat_ids
 
         if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions", "messages",
@@ -713,7 +713,7 @@ def _model_card(srv: _Server) -> dict[str, Any]:
 
 
 def _version() -> str:
-    from . import __version__
+    from .. import __version__
 
     return __version__
 
@@ -822,7 +822,7 @@ async def _sse(srv: _Server, job: _Job, handle: Any) -> AsyncIterator[str]:
 def _served_name(spec: str) -> str:
     from pathlib import Path
 
-    from .models import DEFAULT_MODEL_NAME
+    from ..models import DEFAULT_MODEL_NAME
 
     if spec == "default":
         return DEFAULT_MODEL_NAME
@@ -836,7 +836,7 @@ def run_cli(args: Any) -> int:
     import uvicorn
 
     import accel
-    from .models import load_model
+    from ..models import load_model
 
     strategies = build_strategies(args.strategy)  # validate before loading the model
     if args.max_batch <= 0:

@@ -49,7 +49,7 @@ class Int8Linear(nn.Module):
                              f"{weight.dtype} on {weight.device}")
         self.in_features, self.out_features = int(weight.shape[1]), int(weight.shape[0])
         self.weight, self.bias = weight, bias  # by reference: the float originals
-        w = weight.detach().contiguous()  # (row-major also where accel.cpu.transpose_weights stored it not)
+        w = weight.detach().contiguous()  # (row-major also where accel.kernels.cpu.transpose_weights stored it not)
         scale = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
         with warnings.catch_warnings():  # torch 2.13: quantized tensors are deprecated
             warnings.simplefilter("ignore")

@@ -3,9 +3,9 @@
 A :class:`CostTable` holds the time of one verify forward pass (decoder stack plus output
 head) measured on this machine at a small grid of query tokens x cache lengths, with four
 linear kernels: plain (row-major weights, as transformers stores them), transposed
-(column-major weights, :func:`accel.cpu.transpose_weights`), oneDNN-packed, and split (one
-``bmm`` over each weight's two halves, :func:`accel.cpu.split_linear`).
-:mod:`accel.calibrate` measures and caches it; nothing here times anything, so tests drive the
+(column-major weights, :func:`accel.kernels.cpu.transpose_weights`), oneDNN-packed, and split (one
+``bmm`` over each weight's two halves, :func:`accel.kernels.cpu.split_linear`).
+:mod:`accel.calibration.calibrate` measures and caches it; nothing here times anything, so tests drive the
 choices with hand-made tables.
 
 - :attr:`CostTable.transposed` says whether to store the weights column-major (it costs no
@@ -13,7 +13,7 @@ choices with hand-made tables.
   with packed kernels where they beat it).
 - :attr:`CostTable.packed_rows` is the window of query tokens per pass (rows of every linear
   layer) where packed kernels beat that layout on this machine, or None; ``accel.load_model``
-  packs the model to run packed inside it (:func:`accel.cpu.prepack`), unpacked outside.
+  packs the model to run packed inside it (:func:`accel.kernels.cpu.prepack`), unpacked outside.
 - :attr:`CostTable.split_rows` is how many of the fewest query tokens per pass run split
   kernels, ahead of the packed window (0: none).
 - :meth:`CostTable.step_ms` interpolates the grid of the kernels so chosen piecewise-linearly
@@ -56,7 +56,7 @@ class CostTable:
         ``tokens``).
     kernel_ms: kernel name (``"plain"``, ``"transposed"``, ``"packed"``) ->
         [len(cache_lens)][len(kernel_tokens)] ms (each point's fastest pass, see
-        :func:`accel.timing.measure`); only kernels this model can run
+        :func:`accel.calibration.timing.measure`); only kernels this model can run
         appear (nothing but ``"plain"`` off a float32 CPU model).
     measured: False for :func:`static_table` (nominal units, shape only, not milliseconds).
     key: what the table was measured for (model identity, device, dtype, threads, machine).
@@ -101,7 +101,7 @@ class CostTable:
 
     @property
     def transposed(self) -> bool:
-        """Whether to store the linear weights column-major (:func:`accel.cpu.transpose_weights`):
+        """Whether to store the linear weights column-major (:func:`accel.kernels.cpu.transpose_weights`):
         see :func:`weight_layout`."""
         return weight_layout(self.kernel_ms) == "transposed"
 
@@ -114,13 +114,13 @@ class CostTable:
 
     @property
     def split_rows(self) -> int:
-        """Up to how many query tokens per pass the split kernel (:func:`accel.cpu.split_linear`)
+        """Up to how many query tokens per pass the split kernel (:func:`accel.kernels.cpu.split_linear`)
         beats every other choice here (see :func:`split_rows`); 0: never."""
         return split_rows(self.kernel_tokens, self.kernel_ms)
 
     @property
     def prefer_prepack(self) -> bool:
-        """Whether to pack the model's linear layers (:func:`accel.cpu.prepack`) at all: packed
+        """Whether to pack the model's linear layers (:func:`accel.kernels.cpu.prepack`) at all: packed
         kernels won for the passes of :attr:`packed_rows`."""
         return self.packed_rows is not None
 
@@ -261,7 +261,7 @@ def _with_split(base: tuple[tuple[float, ...], ...], split: tuple[tuple[float, .
 
 def split_rows(kernel_tokens: tuple[int, ...], kernel_ms: dict[str, tuple[tuple[float, ...], ...]]) -> int:
     """The most query tokens per pass up to which ``kernel_ms["split"]`` (one ``bmm`` over
-    the two halves of each weight, :func:`accel.cpu.split_linear`) is below row-major weights
+    the two halves of each weight, :func:`accel.kernels.cpu.split_linear`) is below row-major weights
     with packed kernels in their window (:func:`packed_rows`) at every cache length, counted
     from the fewest tokens and stopping at the first count where it is not; 0 where it loses
     at the fewest, is missing, or the weights are stored column-major (:func:`weight_layout`;
@@ -280,7 +280,7 @@ def chosen_kernels(tokens: tuple[int, ...], layout: str, window: tuple[int, int 
                    ) -> list[str]:
     """The kernel a pass of each of ``tokens`` query tokens runs with: ``"split"`` up to
     ``split`` tokens, else ``"packed"`` inside ``window`` (:func:`in_window`), else ``layout``
-    (what :class:`accel.cpu.PackedLinear` does, row by row)."""
+    (what :class:`accel.kernels.cpu.PackedLinear` does, row by row)."""
     return ["split" if n <= split else "packed" if in_window(n, window) else layout for n in tokens]
 
 
@@ -376,8 +376,8 @@ def allocate_drafts(
     ``(B + sum of the chosen gains) / (step_ms(B * (m + 1)) + drafter ms of drafting rows)``.
     Rows may get 0, and m = 0 (plain decoding) wins whenever drafting does not pay.
     ``min_nodes``: every row's tree is padded to a multiple of this many query tokens anyway
-    (the padding of :mod:`accel.invariance`), so drafts that fill the padding cost nothing. The
-    costs come from ``table``, measured on this machine by :mod:`accel.calibrate`, not
+    (the padding of :mod:`accel.kernels.invariance`), so drafts that fill the padding cost nothing. The
+    costs come from ``table``, measured on this machine by :mod:`accel.calibration.calibrate`, not
     from constants.
     """
     rows = len(gains)

@@ -13,7 +13,7 @@ training are unchanged) and holds the packed copy besides it, so it costs one mo
 of the linear weights in memory. Whether packing pays depends on the CPU and on how many
 rows a call multiplies (on a 2-core Intel Xeon without AMX, plain kernels win for one or
 two rows and for 64, packed ones from 4 to 32 rows), so a layer runs packed only for inputs
-of ``min_rows`` to ``max_rows`` rows and plain otherwise; :func:`accel.calibrate.cost_table`
+of ``min_rows`` to ``max_rows`` rows and plain otherwise; :func:`accel.calibration.calibrate.cost_table`
 measures where packing wins and ``accel.load_model`` packs with that window. Call it once
 after loading; ``model.generate`` and ``accel.generate`` then run the same kernels, so plain accel decoding still equals
 ``model.generate`` token for token. Results differ from the unpacked model only by float32
@@ -37,7 +37,7 @@ medians 49 / 65 / 70 and 60 / 71 / 75), while for 2 and 4 tokens packed kernels 
 benchmarks/linear_kernels.py --rows 1 2 4 --repeats 5 --passes --rounds 20 --cached 256
 2048``). A :class:`PackedLinear` runs it for inputs of at most ``split_rows`` rows, ahead of
 its packed window; the calibration measures it like the others and sets that prefix
-(:attr:`accel.cost_model.CostTable.split_rows`).
+(:attr:`accel.calibration.cost_model.CostTable.split_rows`).
 
 :func:`transpose_weights` is another lever: it stores each linear weight [out, in]
 column-major (the same values and shape, strides ``(1, out)``), so
@@ -47,7 +47,7 @@ verify pass of the default model over 256 cached entries took 51 / 58 / 66 / 88 
 16 / 32 query tokens stored so against 66 / 81 / 122 / 140 ms row-major (and 62 / 69 / 74 / 96 ms
 packed), 39 against 37 ms for one token and 48 against 40 ms for two; a 2K-token prefill took
 the same either way. Which layout wins is measured per machine like packing
-(:attr:`accel.cost_model.CostTable.transposed`).
+(:attr:`accel.calibration.cost_model.CostTable.transposed`).
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     For one or a few rows, ``F.linear`` is a matrix-vector product that the BLAS may run on
     one core; the two halves of ``weight`` are two independent products, one per thread,
     and each reads half the weights (see the module docstring for what that gained on an AMD
-    EPYC Zen 3). :mod:`accel.calibrate` measures it like the other kernels. The weight is only
+    EPYC Zen 3). :mod:`accel.calibration.calibrate` measures it like the other kernels. The weight is only
     viewed, never copied; the sums are the same dot products in another order (float32
     rounding)."""
     rows = x.numel() // x.shape[-1]

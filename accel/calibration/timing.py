@@ -1,10 +1,10 @@
-"""Timing verify passes: the measurements behind a :class:`~accel.cost_model.CostTable`.
+"""Timing verify passes: the measurements behind a :class:`~accel.calibration.cost_model.CostTable`.
 
 Plain functions: :func:`filled_cache` fills a cache with a forward over random ids,
 :func:`time_pass` times verify passes over it (milliseconds of each), :func:`linear_kernels`
 switches a model between plain, transposed and packed linear layers for a block, and
 :func:`measure` puts them together into a table (each point's fastest pass).
-:func:`accel.calibrate.cost_table` caches the result.
+:func:`accel.calibration.calibrate.cost_table` caches the result.
 
 Measuring swaps the model's linear layers and puts them back; do not run it while the model
 serves requests.
@@ -19,10 +19,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import adapter
-from .cache import SharedCache
+from .. import adapter
+from ..cache import SharedCache
 from .cost_model import KERNELS, CostTable, chosen_kernels, monotone, packed_rows, split_rows, weight_layout
-from .cpu import (PackedLinear, is_prepacked, is_transposed, prepack, prepack_available, transpose_weights, unprepack,
+from ..kernels.cpu import (PackedLinear, is_prepacked, is_transposed, prepack, prepack_available, transpose_weights, unprepack,
                   untranspose_weights)
 
 __all__ = ["DEFAULT_CACHE_LENS", "DEFAULT_TOKENS", "filled_cache", "linear_kernels",
@@ -37,10 +37,10 @@ DEFAULT_CACHE_LENS = (256, 2048)
 @contextmanager
 def linear_kernels(model) -> Iterator[Callable[[str], None]]:
     """Inside the block, ``use(kernel)`` runs ``model``'s linear layers on one of
-    :data:`~accel.cost_model.KERNELS`: ``"plain"`` (row-major weights, ``F.linear``, as
+    :data:`~accel.calibration.cost_model.KERNELS`: ``"plain"`` (row-major weights, ``F.linear``, as
     transformers runs them), ``"transposed"`` (column-major weights,
-    :func:`accel.cpu.transpose_weights`), ``"packed"`` (:func:`accel.cpu.prepack`, for
-    every pass whatever its window was) or ``"split"`` (:func:`accel.cpu.split_linear` on
+    :func:`accel.kernels.cpu.transpose_weights`), ``"packed"`` (:func:`accel.kernels.cpu.prepack`, for
+    every pass whatever its window was) or ``"split"`` (:func:`accel.kernels.cpu.split_linear` on
     row-major weights, for every pass). Modules are swapped by reference (the weights are
     packed on entry, and again when a layout change made the packed copies stale); on exit the
     model is as it was: the same modules, windows and weight layout.
@@ -145,12 +145,12 @@ def measure(
 
     Every point of the grid ``tokens`` x ``cache_lens`` is timed with each linear kernel of
     :func:`linear_kernels` the model can run (on a float32 CPU model: plain, transposed, and
-    packed and split where :func:`accel.cpu.prepack_available`; elsewhere plain only), in
+    packed and split where :func:`accel.kernels.cpu.prepack_available`; elsewhere plain only), in
     alternating rounds so that all see the same machine load. The weight layout
-    (:func:`accel.cost_model.weight_layout`), the window where packed kernels beat it
-    (:func:`accel.cost_model.packed_rows`) and the passes where split ones beat both
-    (:func:`accel.cost_model.split_rows`) decide which kernels each token count runs with, and
-    the grid keeps those times, made non-decreasing in both axes (see :func:`accel.cost_model.monotone`).
+    (:func:`accel.calibration.cost_model.weight_layout`), the window where packed kernels beat it
+    (:func:`accel.calibration.cost_model.packed_rows`) and the passes where split ones beat both
+    (:func:`accel.calibration.cost_model.split_rows`) decide which kernels each token count runs with, and
+    the grid keeps those times, made non-decreasing in both axes (see :func:`accel.calibration.cost_model.monotone`).
 
     Each point is the fastest of ``1 + repeats`` passes, the first after a warm-up: a busy
     machine only ever adds time to a pass, so the fastest is the least disturbed (with a median

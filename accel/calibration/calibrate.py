@@ -1,16 +1,16 @@
 """Calibration: what verify passes cost on this machine, measured once and cached.
 
 Whatever accel chooses by cost (packed or plain linear kernels, how many draft tokens a step
-verifies) comes from a :class:`~accel.cost_model.CostTable` measured for one (model, device,
-dtype, torch threads, machine) by :func:`accel.timing.measure` and cached as JSON in
+verifies) comes from a :class:`~accel.calibration.cost_model.CostTable` measured for one (model, device,
+dtype, torch threads, machine) by :func:`accel.calibration.timing.measure` and cached as JSON in
 ``$ACCEL_CACHE/calibration/``, never from constants fitted on another machine.
 
 - :func:`cost_table` -- the table for a model: read from the cache, else measured (a notice
   goes to stderr) and written atomically. A corrupt file, or one measured for something
   else, is ignored and measured again. ``ACCEL_CALIBRATION=off`` returns
-  :func:`~accel.cost_model.static_table` without measuring.
+  :func:`~accel.calibration.cost_model.static_table` without measuring.
 - :func:`prefer_int8` -- whether a model's one-token step runs faster with int8 weights
-  (:mod:`accel.quant`; for draft models), measured once and cached the same way.
+  (:mod:`accel.kernels.quant`; for draft models), measured once and cached the same way.
 - :func:`calibration_key` / :func:`calibration_path` -- what a table is keyed by and where it
   lives; :func:`load_table` / :func:`save_table` read and write one file.
 """
@@ -23,7 +23,6 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import threading
 import weakref
 from dataclasses import replace
@@ -32,7 +31,9 @@ from typing import Any
 
 import torch
 
-from . import adapter, timing
+from .. import adapter
+from ..files import cache_dir, write_text_atomic
+from . import timing
 from .cost_model import CostTable, static_table
 
 __all__ = ["calibration_enabled", "calibration_key", "calibration_path", "cost_table", "load_table",
@@ -118,9 +119,7 @@ def _digest(key: dict[str, Any]) -> str:
 
 
 def calibration_path(key: dict[str, Any]) -> Path:
-    """``$ACCEL_CACHE/calibration/<digest of key>.json`` (see :func:`accel.models.cache_dir`)."""
-    from .models import cache_dir
-
+    """``$ACCEL_CACHE/calibration/<digest of key>.json`` (see :func:`accel.files.cache_dir`)."""
     return cache_dir() / "calibration" / f"{_digest(key)}.json"
 
 
@@ -140,17 +139,7 @@ def save_table(path: Path, table: CostTable) -> None:
 
 
 def _save_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(data, fh, indent=1, default=str)
-            fh.write("\n")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(path, json.dumps(data, indent=1, default=str) + "\n")
 
 
 def cost_table(
@@ -163,7 +152,7 @@ def cost_table(
     budget_s: float = 20.0,
 ) -> CostTable:
     """The cost table of ``model`` as it runs now (device, dtype, ``torch.get_num_threads()``)
-    on this machine: cached, else measured with :func:`accel.timing.measure` and cached. ``force``
+    on this machine: cached, else measured with :func:`accel.calibration.timing.measure` and cached. ``force``
     measures again. With ``ACCEL_CALIBRATION=off`` it is :func:`static_table`."""
     if not calibration_enabled():
         return static_table()
@@ -186,7 +175,7 @@ def step_costs(model) -> CostTable:
     (:meth:`CostTable.run_with`: column-major weights or not, its packed and split windows):
     what the engine sizes drafts by. Only a model loaded by :func:`accel.load_model` runs the
     kernels the measurement chose; one loaded by plain transformers runs plain ones."""
-    from .cpu import is_transposed, packed_window, split_rows
+    from ..kernels.cpu import is_transposed, packed_window, split_rows
 
     return cost_table(model).run_with(is_transposed(model), packed_window(model), split_rows(model))
 
@@ -199,7 +188,7 @@ _INT8_LOCK = threading.Lock()
 
 def prefer_int8(model, *, force: bool = False, repeats: int = 5) -> bool:
     """Whether a one-token step of ``model`` is faster with int8 linear weights
-    (:func:`accel.quant.int8_copy`) than as loaded, on this machine.
+    (:func:`accel.kernels.quant.int8_copy`) than as loaded, on this machine.
 
     Measured once per model kind and machine (a one-token pass over 256 cached entries,
     float and int8 alternating, median of ``repeats`` each; about a second for a 0.5B
@@ -207,7 +196,7 @@ def prefer_int8(model, *, force: bool = False, repeats: int = 5) -> bool:
     without measuring where int8 does not apply (not float32 on a CPU, no int8 kernel) and
     with ``ACCEL_CALIBRATION=off``.
     """
-    from .quant import int8_available
+    from ..kernels.quant import int8_available
 
     param = next(model.parameters())
     if not calibration_enabled() or param.device.type != "cpu" or param.dtype != torch.float32 \
@@ -237,7 +226,7 @@ def prefer_int8(model, *, force: bool = False, repeats: int = 5) -> bool:
 def _time_int8(model, repeats: int) -> tuple[float, float]:
     """Median ms of a one-token pass over 256 cached entries, as loaded and in int8 (the int8
     copy is kept only if it wins, for the drafter that asked)."""
-    from .quant import int8_copy, release_int8_copy
+    from ..kernels.quant import int8_copy, release_int8_copy
 
     quantized = int8_copy(model)
     cache = timing.filled_cache(model, 256)

@@ -1,0 +1,201 @@
+"""One step of the decode loop, as small functions over the shared cache: :func:`prefill` a
+batch of prompts (compressing as it goes), :func:`verify` every row's draft tree in one
+forward, :func:`accept` a row's path, :func:`commit` it. :mod:`accel.engine` runs them for a
+batch of requests; :mod:`accel.kernels.invariance` runs them to probe this machine's kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Sequence
+
+import torch
+
+from . import adapter
+from .acceptance import Acceptance, greedy_path, sample_accept
+from .cache import SharedCache
+from .calibration.cost_model import round_up
+from .strategy import PromptCompressor, Strategy
+from .tree import DraftTree
+
+__all__ = ["Warp", "prefill", "prefill_rest", "forward_tokens", "verify", "verify_logits", "accept", "commit"]
+
+#: A sampling transform of float32 logits [N, V] (temperature, top-k, top-p); None is greedy.
+Warp = Callable[[torch.Tensor], torch.Tensor]
+
+
+def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
+            compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None) -> torch.Tensor:
+    """Run B prompts through the model in one forward, filling (and compressing) an empty cache.
+
+    prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
+        internally; padding is never stored and never scored).
+    compressors: one compressor for every row, or one (or None) per row.
+    Returns the final hidden state at each row's last prompt position, [B, H].
+    """
+    rows = _prompt_rows(prompts)
+    if isinstance(compressors, PromptCompressor) or compressors is None:
+        compressors = [compressors] * len(rows)
+    lengths = [int(r.numel()) for r in rows]
+    device = rows[0].device
+    n = max(lengths)
+    ids = torch.zeros((len(rows), n), dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        ids[b, : r.numel()] = r
+    positions = torch.arange(n, device=device).unsqueeze(0).expand(len(rows), n)
+    mask = None
+    if min(lengths) != n:
+        mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
+    windows = [c.observation_window(length) if c is not None else 0 for c, length in zip(compressors, lengths)]
+    window = max(windows)
+    queries: dict[int, torch.Tensor] = {}
+
+    def select(layer: int, row: int, keys: torch.Tensor, values: torch.Tensor):
+        compressor = compressors[row]
+        if compressor is None:
+            return None
+        w = windows[row]
+        q = queries[layer][row : row + 1, :, window - w :] if w else None
+        sel = compressor.select(layer, q, keys, values)
+        return None if sel is None else (sel.indices, sel.valid)
+
+    cache.begin_prefill(lengths, select if any(c is not None for c in compressors) else None)
+    ends = torch.tensor(lengths, device=device) if mask is not None else None
+    with adapter.capture_window_queries(model, cache, window, queries, ends):
+        hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
+    cache.end_prefill()
+    last = torch.tensor(lengths, device=device) - 1
+    return hidden[torch.arange(len(rows), device=device), last]
+
+
+def _prompt_rows(prompts) -> list[torch.Tensor]:
+    if isinstance(prompts, torch.Tensor):
+        return [prompts.reshape(-1)] if prompts.dim() == 1 or prompts.shape[0] == 1 else list(prompts)
+    return [p.reshape(-1) for p in prompts]
+
+
+def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype,
+           groups: int | None = None, min_nodes: int = 1) -> torch.Tensor:
+    """One forward pass over every row's [root + draft nodes] on top of the cache.
+
+    trees: one DraftTree per cache row (a single tree for a one-row cache).
+    groups: query heads per KV head (default: read from the model).
+    min_nodes: pad every row to a multiple of this many query tokens (padding sees only
+        itself and is dropped at commit). Low-precision kernels pick their arithmetic by the
+        number of rows they get (and a row's by where it falls in their tiles), so
+        :mod:`accel.kernels.invariance` measures the multiple that makes a plain step compute each
+        row exactly as a tree does.
+    Returns final hidden states [B, T, H] (T the largest tree rounded up to ``min_nodes``; a
+    single tree: [N+1, H]); the new entries stay uncommitted.
+    """
+    single = isinstance(trees, DraftTree)
+    trees = [trees] if single else list(trees)
+    device = trees[0].tokens.device
+    t = round_up(max(tree.num_nodes for tree in trees), min_nodes)
+    bsz = len(trees)
+    # tokens appended since the last commit (a chain fed forward by forward) come first
+    logical = [n + cache.pending_entries for n in cache.logical_lengths]
+    if t == 1:
+        ids = torch.tensor([[tree.token_list[0]] for tree in trees], dtype=torch.long, device=device)
+        positions = torch.tensor([[n] for n in logical], dtype=torch.long, device=device)
+        visible = None
+    else:
+        ids = torch.empty((bsz, t), dtype=torch.long, device=device)
+        positions = torch.empty((bsz, t), dtype=torch.long, device=device)
+        visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
+        for b, tree in enumerate(trees):
+            m = tree.num_nodes
+            ids[b, :m] = tree.tokens
+            ids[b, m:] = tree.token_list[0]
+            positions[b, :m] = tree.depth + logical[b]
+            positions[b, m:] = logical[b]
+            visible[b, :m, :m] = tree.ancestor_mask
+    hidden = forward_tokens(model, cache, ids, positions, visible, dtype, groups)
+    return hidden[0, : trees[0].num_nodes] if single else hidden
+
+
+def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torch.Tensor,
+                   visible: torch.Tensor | None, dtype: torch.dtype, groups: int | None = None) -> torch.Tensor:
+    """One forward of T new tokens per row on top of the cache (left uncommitted).
+
+    ids, positions: LongTensor [B, T]; visible: BoolTensor [B, T, T], True where new token
+    i sees new token j (None for T == 1). Returns final hidden states [B, T, H].
+    """
+    groups = groups if groups is not None else adapter.query_groups(model)
+    mask = cache.prepare_step(positions, visible, dtype, groups)
+    hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
+    order = adapter.ordered_attention(cache) if cache.ordered else contextlib.nullcontext()
+    with hook, order:
+        return adapter.backbone_forward(model, ids, positions, cache, mask)
+
+
+def prefill_rest(model, cache: SharedCache, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
+                 groups: int | None = None) -> torch.Tensor:
+    """Prefill each row's prompt past the entries its row already holds (a reused prefix,
+    :meth:`SharedCache.load_prefixes`): one forward of every row's remaining tokens
+    (right-padded; padding sees only itself and is dropped), committed.
+
+    prompts: per row a LongTensor [n_b], longer than the row's logical length.
+    Returns the final hidden state at each row's last prompt position, [B, H].
+    """
+    starts = list(cache.logical_lengths)
+    rest = [int(p.numel()) - s for p, s in zip(prompts, starts)]
+    if len(prompts) != cache.batch_size or min(rest) < 1:
+        raise ValueError(f"prefill_rest() needs one prompt per row, each longer than the row ({starts})")
+    device = prompts[0].device
+    bsz, t = len(prompts), max(rest)
+    ids = torch.zeros((bsz, t), dtype=torch.long, device=device)
+    positions = torch.empty((bsz, t), dtype=torch.long, device=device)
+    steps = torch.arange(t, device=device)
+    visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
+    causal = torch.ones((t, t), dtype=torch.bool, device=device).tril()
+    for b, (prompt, start, m) in enumerate(zip(prompts, starts, rest)):
+        ids[b, :m] = prompt[start:]
+        positions[b] = start + steps.clamp(max=m - 1)
+        visible[b, :m, :m] = causal[:m, :m]
+    hidden = forward_tokens(model, cache, ids, positions, visible if t > 1 else None, dtype, groups)
+    cache.commit([list(range(m)) for m in rest])
+    return hidden[torch.arange(bsz, device=device), torch.tensor(rest, device=device) - 1]
+
+
+def verify_logits(model, cache: SharedCache, trees: Sequence[DraftTree], dtype: torch.dtype,
+                  groups: int | None = None, min_nodes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for every row, then the output head over each row's real nodes.
+
+    Returns (hidden [B, T, H], float32 logits [sum_b N_b, V]: row b's nodes in order, rows
+    one after another). One call computes every row's logits in one pass of the output layer.
+    """
+    hidden = verify(model, cache, trees, dtype, groups, min_nodes)
+    counts = [tree.num_nodes for tree in trees]
+    if all(c == hidden.shape[1] for c in counts):
+        flat = hidden.reshape(-1, hidden.shape[-1])
+    else:
+        flat = torch.cat([hidden[b, :c] for b, c in enumerate(counts)])
+    pad = round_up(flat.shape[0], min_nodes) - flat.shape[0]  # the output layer is a linear too
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
+    return hidden, adapter.output_logits(model, flat)[: sum(counts)]
+
+
+def accept(tree: DraftTree, logits: torch.Tensor, warp: Warp | None, rule: Strategy | None,
+           generator: torch.Generator | None, top: list[int] | None = None) -> Acceptance:
+    """Choose the accepted path and the bonus token of one row. logits: [N+1, V] float32.
+
+    top: the argmax of every row of ``logits``, when the caller already has it (greedy).
+    At temperature 0 every rule is greedy acceptance (typical acceptance included), so the
+    output is exactly greedy decoding's.
+    """
+    if warp is None:
+        return greedy_path(tree, top if top is not None else logits.argmax(dim=-1).tolist())
+    probs = torch.softmax(warp(logits), dim=-1)
+    if rule is not None:
+        return rule.accept(tree, probs, generator)
+    if tree.num_nodes == 1:
+        return Acceptance(path=[0], next_token=int(torch.multinomial(probs[0], 1, generator=generator)), accepted=0)
+    return sample_accept(tree, probs, generator)
+
+
+def commit(cache: SharedCache, accs: Acceptance | Sequence[Acceptance]) -> None:
+    """Keep each row's accepted path entries (root included) and advance its logical length."""
+    accs = [accs] if isinstance(accs, Acceptance) else accs
+    cache.commit([a.path for a in accs])
