@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from accel.dtypes import dtype_arg
+
 __all__ = ["main"]
 
 
@@ -16,7 +18,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     strategies = accel.build_strategies(args.strategy)  # validate before loading the model
-    model, tokenizer = load_model(args.model, dtype=getattr(torch, args.dtype))
+    model, tokenizer = load_model(args.model, dtype=args.dtype)
     if args.raw:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
@@ -62,7 +64,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model, dtype=getattr(torch, args.dtype), device=args.device, prepack=False)
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device, prepack=False)
     table = cost_table(model, force=args.force)
     key = calibration_key(model)
     console = Console()
@@ -124,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    g.add_argument("--dtype", type=dtype_arg, default="float32",
                    help="weights and KV cache dtype (greedy drafting stays exact in each; see accel.kernels.invariance)")
     g.set_defaults(func=_generate)
 
@@ -176,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "Runs once per model, device, dtype, threads and machine; later calls read the cache.")
     c.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local folder or a .gguf file")
     c.add_argument("--threads", type=int, default=None, help="torch CPU threads to measure with (default: torch's choice)")
-    c.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    c.add_argument("--dtype", type=dtype_arg, default="float32")
     c.add_argument("--device", default="cpu")
     c.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
     c.set_defaults(func=_calibrate)
@@ -196,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix-cache-mb", type=float, default=None, help="MiB of recent prompts' KV entries kept so "
                    "that a prompt starting like an earlier one is prefilled only past the shared tokens "
                    "(float32; default 256, 0: off)")
-    s.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    s.add_argument("--dtype", type=dtype_arg, default="float32")
     s.add_argument("--max-tokens", type=int, default=None, help="max_tokens of requests that give none (default 256)")
     s.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists "
                    "(default: from --model)")

@@ -41,6 +41,7 @@ from typing import Any, Literal
 import torch
 
 from .adapter import check_causal_lm
+from .dtypes import as_dtype
 from .files import atomic_path, cache_dir, write_text_atomic
 
 __all__ = [
@@ -487,7 +488,7 @@ def _load_converted(gguf: Path, dest: Path, title: str, dtype, device, attn_impl
 
 
 def load_default(
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
     prepack: bool | Literal["auto"] = "auto",
@@ -512,6 +513,7 @@ def load_default(
     many query tokens as packing won for (batched and drafting steps, often not a single-row
     decode step); it depends on the CPU.
     """
+    dtype = as_dtype(dtype)
     gguf = default_gguf_path()
     model, tokenizer = _load_converted(gguf, default_checkpoint_dir(), DEFAULT_MODEL_NAME, dtype, device, attn_implementation)
     return _prepacked(model, prepack), tokenizer
@@ -608,7 +610,7 @@ def _not_available(name: str, cause: BaseException | None = None) -> ModelNotAva
 
 def load_model(
     name_or_path: str | os.PathLike = "default",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
     prepack: bool | Literal["auto"] = "auto",
@@ -626,6 +628,9 @@ def load_model(
     - a path to a ``.gguf`` file (dequantized to dense weights on load);
     - a Hugging Face hub id, which works only if it is already in the local HF cache.
 
+    ``dtype``: a ``torch.dtype`` or its name (``"float32"``, ``"bfloat16"`` / ``"bf16"``,
+    ``"float16"`` / ``"fp16"``; see :mod:`accel.dtypes`).
+
     Returns ``(model, tokenizer)``, the model in eval mode on ``device`` in ``dtype``. The
     tokenizer is ``None`` for a checkpoint folder that holds no tokenizer files. ``prepack``:
     pack float32 linear layers on a CPU for oneDNN once (:func:`accel.kernels.cpu.prepack`): True,
@@ -637,6 +642,7 @@ def load_model(
     nothing is ever downloaded.
     """
     name = os.fspath(name_or_path)
+    dtype = as_dtype(dtype)
     if name == "default":
         return load_default(dtype=dtype, device=device, attn_implementation=attn_implementation, prepack=prepack)
     if name.lower() in PACKAGED_MODELS:
@@ -650,7 +656,7 @@ _SHARED: dict[tuple[str, torch.dtype, str], tuple[Any, Any]] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def load_shared(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+def load_shared(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                 device: str | torch.device = "cpu"):
     """``load_model(name_or_path, dtype, device)``, loaded once per process and shared.
 
@@ -659,6 +665,7 @@ def load_shared(name_or_path: str | os.PathLike, dtype: torch.dtype = torch.floa
     serialised by a lock; the model stays loaded for the life of the process.
     """
     name = os.fspath(name_or_path)
+    dtype = as_dtype(dtype)
     path = Path(name).expanduser()
     key = (str(path.resolve()) if path.exists() else name.lower(), dtype, str(torch.device(device)))
     with _SHARED_LOCK:

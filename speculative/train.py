@@ -55,6 +55,8 @@ from typing import Any, Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from accel.dtypes import as_dtype
+
 from .medusa import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads
 from .medusa.packed import bf16_fast_on_cpu
 
@@ -319,7 +321,7 @@ def _prompts_hash(prompts: list[str], cfg: TrainConfig, model_name: str) -> str:
 def _data_dtype(cfg: TrainConfig, device: str = "cpu") -> torch.dtype:
     if cfg.data_dtype == "auto":
         return torch.bfloat16 if device == "cpu" and bf16_fast_on_cpu() else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.data_dtype]
+    return as_dtype(cfg.data_dtype)
 
 
 def generate_sequences(model: Any, tokenizer: Any, prompts: list[str], cfg: TrainConfig, cache: Path | None,
@@ -762,7 +764,7 @@ def train_heads(cfg: TrainConfig, model: Any = None, tokenizer: Any = None, prom
             **gen_facts,
         },
     }
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.save_dtype]
+    dtype = as_dtype(cfg.save_dtype)
     heads.save_pretrained(out, dtype=dtype)
     shutil.rmtree(ckpt, ignore_errors=True)
     return heads

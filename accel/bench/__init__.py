@@ -72,7 +72,7 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
         model, loaded_tok = load_model(
-            experiment.model, dtype=getattr(torch, experiment.dtype), device=device, prepack=experiment.prepack
+            experiment.model, dtype=experiment.dtype, device=device, prepack=experiment.prepack
         )
         tokenizer = tokenizer if tokenizer is not None else loaded_tok
     if tokenizer is None:

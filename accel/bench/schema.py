@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from ..dtypes import DtypeName
+
 __all__ = [
     "ConfigError",
     "Experiment",
@@ -265,8 +267,8 @@ class Experiment(_Model):
     model: str = "default"
     """``default`` (SmolLM2-135M-Instruct), a local checkpoint folder, a .gguf file, or a hub
     id already in the local Hugging Face cache (nothing is downloaded)."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Model weights and KV cache dtype."""
+    dtype: DtypeName = "float32"
+    """Model weights and KV cache dtype: ``float32``, ``bfloat16`` (``bf16``) or ``float16`` (``fp16``)."""
     prepack: bool | Literal["auto"] = "auto"
     """Pack float32 linear weights for oneDNN once (``accel.kernels.cpu.prepack``; CPU only): true,
     false, or ``auto`` (where this machine's calibration measured packed kernels faster). The

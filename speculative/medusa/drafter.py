@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 import torch
 from pydantic import Field, field_serializer, field_validator
 
+from accel.dtypes import as_dtype, dtype_name
 from accel.kernels.cpu import PackedLinear
 from accel.strategy import DraftContext, DraftProposal, Drafter, register
 
@@ -53,8 +54,6 @@ __all__ = ["Medusa", "DEFAULT_MAX_NODES"]
 #: held-out chat prompts (``python benchmarks/medusa_check.py chat``): 2.09 tokens per step, 1.71x.
 DEFAULT_MAX_NODES = 10
 
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -108,6 +107,11 @@ class Medusa(Drafter):
         description="dtype of the heads' vocabulary projection: 'auto' = bfloat16 on CPUs with fast bf16 "
         "matmuls when the model is float32 (drafts only, the verifier is unaffected), else the model's",
     )
+
+    @field_validator("head_dtype", mode="before")
+    @classmethod
+    def _head_dtype_name(cls, v):
+        return v if v in ("auto", "model") or not isinstance(v, (str, torch.dtype)) else dtype_name(v)
 
     @field_validator("tree", mode="before")
     @classmethod
@@ -180,7 +184,7 @@ class Medusa(Drafter):
             fast = device.type == "cpu" and model_dtype == torch.float32 and bf16_fast_on_cpu()
             head_dtype = torch.bfloat16 if fast else model_dtype
         else:
-            head_dtype = model_dtype if self.head_dtype == "model" else _DTYPES[self.head_dtype]
+            head_dtype = model_dtype if self.head_dtype == "model" else as_dtype(self.head_dtype)
         loaded = load_heads(self.heads, model_dtype, device, head_dtype)
         hidden = model.config.get_text_config(decoder=True).hidden_size
         if loaded.hidden_size != hidden:
