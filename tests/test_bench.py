@@ -277,9 +277,9 @@ def test_tiny_end_to_end_writes_results_summary_and_plots(tmp_path):
 
 
 def test_failed_runs_are_recorded_and_unavailable_baselines_reported(tmp_path, monkeypatch):
-    from accel.bench import runner
+    from accel.bench import configurations
 
-    real = runner._accel_run
+    real = configurations._accel_run
 
     def flaky(model, strategies, eos, max_draft, sampling):
         if not strategies:
@@ -290,7 +290,7 @@ def test_failed_runs_are_recorded_and_unavailable_baselines_reported(tmp_path, m
 
         return boom
 
-    monkeypatch.setattr(runner, "_accel_run", flaky)
+    monkeypatch.setattr(configurations, "_accel_run", flaky)
     monkeypatch.setitem(__import__("sys").modules, "kvpress", None)  # as if kvpress did not import
     data = dict(GOOD, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate", "kvpress_snapkv"],
                 runs={"accel_plain": [], "broken": ["prompt_lookup"]})
@@ -331,7 +331,7 @@ def test_draft_model_run_and_hf_assisted_baseline(tmp_path):
 
 def test_sampled_runs_are_seeded_per_item_and_not_compared(tmp_path):
     import accel
-    from accel.bench.runner import Sampling
+    from accel.bench.configurations import Sampling
 
     data = dict(GOOD, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate"],
                 runs={"accel_plain": [], "pl": ["prompt_lookup:num_tokens=4"]},

@@ -4,7 +4,9 @@ Layout:
 
 - :mod:`.schema`: the experiment file (pydantic), ``--set`` overrides, :class:`ConfigError`.
 - :mod:`.tasks`: needle / long_doc / chat / code_file items, generated from the seed (nothing downloaded).
-- :mod:`.runner`: configurations (HF baselines and accel runs), the warmed-up, interleaved grid.
+- :mod:`.configurations`: the HF baselines and accel runs, and what each times.
+- :mod:`.measurement`: what a timed call records, peak memory, the machine it ran on.
+- :mod:`.runner`: the warmed-up, interleaved grid.
 - :mod:`.batched`: how each configuration runs a batch, and requests arriving over time.
 - :mod:`.report`: summary.md and the PNG plots.
 
@@ -62,7 +64,7 @@ def run_experiment(
 def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command: str | None, quiet: bool) -> Path:
     import torch
 
-    from . import report, runner, tasks
+    from . import configurations, measurement, report, runner, tasks
 
     torch.manual_seed(experiment.seed)
     if model is None:
@@ -89,7 +91,7 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
                 f"{worst.task}/{worst.item_id} has {worst.prompt_tokens} prompt tokens + "
                 f"{experiment.generation.max_new_tokens} new tokens; use shorter lengths"
             )
-    configs = runner.build_configurations(experiment, model, tokenizer)
+    configs = configurations.build_configurations(experiment, model, tokenizer)
     ref = next(c for c in configs if c.name == experiment.reference)
     if ref.unavailable:
         raise ValueError(f"reference {ref.name!r} is unavailable: {ref.unavailable}")
@@ -120,7 +122,7 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
 
     meta = {
         "experiment": experiment.model_dump(mode="json"),
-        "machine": runner.machine_info(model, experiment),
+        "machine": measurement.machine_info(model, experiment),
         "command": command or f"accel bench <{experiment.name}>",
         "started": started,
         "wall_s": wall,

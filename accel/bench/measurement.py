@@ -1,0 +1,144 @@
+"""What a timed call records, and what it ran on.
+
+- :class:`Measurement`: one timed generation of one item (new tokens, prefill / decode /
+  end-to-end seconds, verify steps, accepted drafts per step, KV bytes).
+- :class:`PeakMemory`: ``peak_rss_mib``, the process's peak resident memory during a call
+  (the kernel's high-water mark, reset before each call; a sampling thread where that is
+  not possible), model weights included. ``peak_gpu_mib`` on CUDA is
+  ``torch.cuda.max_memory_allocated``.
+- :func:`machine_info`: the machine, library versions and model of a run, for summary.md.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .. import adapter
+from ..kernels.cpu import is_prepacked, is_transposed
+from .schema import Experiment
+
+__all__ = ["Measurement", "PeakMemory", "machine_info"]
+
+
+@dataclass
+class Measurement:
+    """One timed generation."""
+
+    new_ids: list[int]
+    prefill_s: float
+    decode_s: float
+    e2e_s: float
+    decode_tokens: int  # tokens after the first one(s) that came with the prefill
+    verify_steps: int
+    accepted_per_step: list[int]
+    kv_bytes_full: int
+    kv_bytes_kept: int
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 and self.decode_tokens else None
+
+    @property
+    def mean_accepted(self) -> float | None:
+        """Tokens per verify step, bonus included (1.0 for plain decoding)."""
+        if not self.verify_steps:
+            return None
+        return (sum(self.accepted_per_step) + self.verify_steps) / self.verify_steps
+
+
+class PeakMemory:
+    """Peak resident memory (MiB) of this process during a ``with`` block.
+
+    Linux: resets the kernel's high-water mark (``/proc/self/clear_refs``) and reads
+    ``VmHWM`` afterwards. Elsewhere, or if that is refused, a thread samples ``psutil``'s RSS
+    every 5 ms.
+    """
+
+    def __init__(self) -> None:
+        self.peak_mib: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._samples: list[int] = []
+
+    @staticmethod
+    def _hwm_kib() -> int | None:
+        try:
+            with open("/proc/self/status") as fh:
+                for line in fh:
+                    if line.startswith("VmHWM:"):
+                        return int(line.split()[1])
+        except OSError:
+            return None
+        return None
+
+    @staticmethod
+    def _reset_hwm() -> bool:
+        try:
+            with open("/proc/self/clear_refs", "w") as fh:
+                fh.write("5")
+            return True
+        except OSError:
+            return False
+
+    def __enter__(self) -> "PeakMemory":
+        self._kernel = self._reset_hwm() and self._hwm_kib() is not None
+        if not self._kernel:
+            import psutil
+
+            proc = psutil.Process()
+
+            def sample() -> None:
+                while not self._stop.is_set():
+                    self._samples.append(proc.memory_info().rss)
+                    self._stop.wait(0.005)
+
+            self._thread = threading.Thread(target=sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._kernel:
+            kib = self._hwm_kib()
+            self.peak_mib = kib / 1024 if kib is not None else None
+        else:
+            self._stop.set()
+            assert self._thread is not None
+            self._thread.join()
+            self.peak_mib = max(self._samples) / 2**20 if self._samples else None
+
+
+def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:
+    """What the run ran on, for summary.md and results."""
+    import platform
+
+    import transformers
+
+    from ..models import DEFAULT_MODEL_NAME
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+        "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__, "device": str(adapter.geometry(model).device),
+        "gpu": torch.cuda.get_device_name(adapter.geometry(model).device)
+        if adapter.geometry(model).device.type == "cuda" else None,
+        "model": experiment.model, "model_class": type(model).__name__,
+        "model_name": DEFAULT_MODEL_NAME if experiment.model == "default" else (getattr(model.config, "name_or_path", "") or ""),
+        "parameters": sum(p.numel() for p in model.parameters()), "dtype": experiment.dtype,
+        "prepacked": is_prepacked(model), "transposed": is_transposed(model),
+    }
+    return info
