@@ -412,7 +412,7 @@ def test_make_groups_cycle_a_task_s_items(tmp_path):
 
 
 def test_chunk_timer_and_percentile():
-    from accel.bench.batched import ChunkTimer, percentile
+    from accel.bench.measurement import ChunkTimer, percentile
 
     timer = ChunkTimer(rows=3)
     timer.start()
@@ -507,9 +507,9 @@ def test_arrivals_record_latency_and_ttft_for_every_request(tmp_path):
 
 
 def test_unrunnable_baseline_and_reference_in_batched_mode(tmp_path, monkeypatch):
-    from accel.bench import batched
+    from accel.bench import continuous_batching
 
-    monkeypatch.setattr(batched, "cb_probe", lambda *a: (None, "continuous batching does not run here (test)"))
+    monkeypatch.setattr(continuous_batching, "cb_probe", lambda *a: (None, "continuous batching does not run here (test)"))
     data = dict(BATCHED, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate", "hf_generate_batch"],
                 runs={"accel_plain": []}, batch_sizes=[1, 2])
     out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=make_tiny_model(),

@@ -8,6 +8,7 @@ Layout:
 - :mod:`.measurement`: what a timed call records, peak memory, the machine it ran on.
 - :mod:`.runner`: the warmed-up, interleaved grid.
 - :mod:`.batched`: how each configuration runs a batch, and requests arriving over time.
+- :mod:`.continuous_batching`: the ``hf_generate_batch`` baseline, transformers' continuous batching.
 - :mod:`.report`: summary.md and the PNG plots.
 
 Outputs, in the output folder: ``results.jsonl`` (one row per run; batched and arrivals rows

@@ -16,7 +16,8 @@ What each one times (all wall-clock, ``time.perf_counter``, under ``torch.infere
 - KV bytes: accel's own count of kept vs full entries; baselines keep everything
   (``prompt + new - 1`` entries of ``adapter.geometry(model).entry_bytes()``).
 
-A configuration's batched and arrivals forms come from :mod:`.batched`.
+A configuration's batched and arrivals forms come from :mod:`.batched` and
+:mod:`.continuous_batching`.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ import torch
 from .. import adapter
 from ..strategy import Strategy, build_strategies
 from . import batched as bt
-from .batched import BatchMeasurement, cut_at_eos, sync_device
-from .measurement import Measurement
+from . import continuous_batching as cb
+from .measurement import BatchMeasurement, ChunkTimer, Measurement, RowResult, cut_at_eos, sync_device
 from .schema import (Arrivals, Experiment, HFAssisted, HFGenerate, HFGenerateBatch, HFGenerateUnpacked, HFPromptLookup,
                      KVPressSnapKV)
 from .tasks import TaskItem
@@ -117,7 +118,7 @@ def _hf_generate(model: Any, eos: list[int], pad: int, extra: dict[str, Any],
 
     def run(item: TaskItem, max_new_tokens: int) -> Measurement:
         ids = item.input_ids.to(geo.device)
-        timer = bt.ChunkTimer()  # one token per step for greedy, accepted drafts + 1 for prompt lookup
+        timer = ChunkTimer()  # one token per step for greedy, accepted drafts + 1 for prompt lookup
         if not sampling.greedy:
             torch.manual_seed(sampling.item_seed(item))
         sync_device(geo.device)
@@ -231,7 +232,7 @@ def _one_row(generate: Callable[[TaskItem, int], Measurement]) -> Callable[[list
     def run(items: list[TaskItem], max_new_tokens: int) -> BatchMeasurement:
         (item,) = items
         m = generate(item, max_new_tokens)
-        row = bt.RowResult(new_ids=m.new_ids, first_token_s=m.prefill_s, latency_s=m.e2e_s,
+        row = RowResult(new_ids=m.new_ids, first_token_s=m.prefill_s, latency_s=m.e2e_s,
                            kv_bytes_kept=m.kv_bytes_kept, kv_bytes_full=m.kv_bytes_full,
                            verify_steps=m.verify_steps, accepted_per_step=m.accepted_per_step)
         return BatchMeasurement(rows=[row], e2e_s=m.e2e_s, prefill_s=m.prefill_s, decode_s=m.decode_s,
@@ -296,13 +297,13 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
                 f"max_matching_ngram_size={b.max_ngram})", True, fn, batch=_one_row(fn), max_batch=1,
                 batch_note="transformers' assisted generation takes one row per call", serve_note=_NO_SERVICE))
         elif isinstance(b, HFGenerateBatch):
-            impl, why = bt.cb_probe(model, eos, pad, b)
-            batch = bt.cb_batch(model, eos, pad, b)
+            impl, why = cb.cb_probe(model, eos, pad, b)
+            batch = cb.cb_batch(model, eos, pad, b)
             configs.append(Configuration(
                 b.name, "baseline", f"transformers continuous batching (model.generate_batch; arrivals: "
                 f"init_continuous_batching + add_request), attention {impl or 'none'}, page_size {b.page_size}, "
                 f"max_batch_tokens {b.max_batch_tokens}", False, _single(batch), why,
-                batch=batch, serve=bt.cb_arrivals(model, eos, pad, b)))
+                batch=batch, serve=cb.cb_arrivals(model, eos, pad, b)))
         elif isinstance(b, HFAssisted):
             fn, why = _hf_assisted(model, eos, pad, b, sampling)
             configs.append(Configuration(

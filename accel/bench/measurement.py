@@ -1,7 +1,14 @@
-"""What a timed call records, and what it ran on.
+"""What a timed call records, the instruments that time it, and what it ran on.
 
 - :class:`Measurement`: one timed generation of one item (new tokens, prefill / decode /
   end-to-end seconds, verify steps, accepted drafts per step, KV bytes).
+- :class:`BatchMeasurement`: one batched call or one arrivals run: the call's wall time and,
+  per row (:class:`RowResult`), the new tokens, time to first token and latency (both from
+  the call's start; arrivals: from each request's submit), KV bytes and acceptance.
+- :class:`ChunkTimer`: a transformers streamer that timestamps each step's new tokens;
+  :func:`sync_device` makes wall-clock times include queued CUDA work.
+- :func:`cut_at_eos`, :func:`percentile`, :func:`error_line`: small helpers every form of a
+  configuration shares.
 - :class:`PeakMemory`: ``peak_rss_mib``, the process's peak resident memory during a call
   (the kernel's high-water mark, reset before each call; a sampling thread where that is
   not possible), model weights included. ``peak_gpu_mib`` on CUDA is
@@ -11,9 +18,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -22,7 +31,18 @@ from .. import adapter
 from ..kernels.cpu import is_prepacked, is_transposed
 from .schema import Experiment
 
-__all__ = ["Measurement", "PeakMemory", "machine_info"]
+__all__ = [
+    "Measurement",
+    "RowResult",
+    "BatchMeasurement",
+    "ChunkTimer",
+    "PeakMemory",
+    "cut_at_eos",
+    "error_line",
+    "machine_info",
+    "percentile",
+    "sync_device",
+]
 
 
 @dataclass
@@ -49,6 +69,106 @@ class Measurement:
         if not self.verify_steps:
             return None
         return (sum(self.accepted_per_step) + self.verify_steps) / self.verify_steps
+
+
+@dataclass
+class RowResult:
+    """One row of a batched call (or one request of an arrivals run)."""
+
+    new_ids: list[int]
+    first_token_s: float | None  # call start (arrivals: submit) -> first new token
+    latency_s: float | None  # call start (arrivals: submit) -> last new token
+    kv_bytes_kept: int = 0
+    kv_bytes_full: int = 0
+    verify_steps: int = 0
+    accepted_per_step: list[int] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class BatchMeasurement:
+    """One batched call (or one arrivals run).
+
+    e2e_s: the whole call (arrivals: first submit -> last completion). prefill_s / decode_s:
+    until every row has its first token / after that (None where the method has no such
+    split); decode_tokens: the tokens emitted in decode_s.
+    """
+
+    rows: list[RowResult]
+    e2e_s: float
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    decode_tokens: int | None = None
+    overhead_s: float | None = None  # set-up / tear-down outside e2e_s (hf_generate_batch's manager)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(r.new_ids) for r in self.rows)
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for queued CUDA work, so wall-clock times include it (no-op elsewhere)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cut_at_eos(ids: list[int], eos: list[int]) -> list[int]:
+    """``ids`` up to and including the first eos (``model.generate`` pads finished rows)."""
+    for k, t in enumerate(ids):
+        if t in eos:
+            return ids[: k + 1]
+    return ids
+
+
+def percentile(xs: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) of ``xs``, linearly interpolated; None if empty."""
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    pos = (len(xs) - 1) * q / 100
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def error_line(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+class ChunkTimer:
+    """A transformers streamer that timestamps each step's new tokens, for any batch size.
+
+    ``model.generate`` puts the prompt first ([B, n]), then each step's tokens ([B] for greedy
+    decoding, [B, k] for assisted decoding): ``chunks`` holds (seconds since ``start()``,
+    tokens per row) for every step.
+    """
+
+    def __init__(self, rows: int = 1) -> None:
+        self.rows = rows
+        self.t0 = 0.0
+        self.chunks: list[tuple[float, int]] = []
+        self._prompt_seen = False
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self._prompt_seen:
+            self._prompt_seen = True
+            return
+        self.chunks.append((time.perf_counter() - self.t0, max(1, int(value.numel()) // self.rows)))
+
+    def end(self) -> None:
+        pass
+
+    def time_of_token(self, k: int) -> float | None:
+        """When a row's k-th new token (0-based) came out, or None if it never did."""
+        seen = 0
+        for t, n in self.chunks:
+            seen += n
+            if seen > k:
+                return t
+        return None
+
 
 
 class PeakMemory:

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from .batched import percentile
+from .measurement import percentile
 
 __all__ = ["write_summary", "write_plots", "aggregate", "aggregate_calls"]
 

@@ -32,9 +32,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import adapter
-from .batched import BatchMeasurement, percentile
 from .configurations import Configuration
-from .measurement import Measurement, PeakMemory
+from .measurement import BatchMeasurement, Measurement, PeakMemory, error_line, percentile
 from .schema import Arrivals, Experiment
 from .tasks import TaskItem, score
 
@@ -208,10 +207,6 @@ def make_groups(items: list[TaskItem], batch_sizes: list[int]) -> list[Group]:
     return groups
 
 
-def _error(err: BaseException) -> str:
-    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-
-
 def _batch_row(experiment: Experiment, c: Configuration, task: str, kind: str, batch_size: int, group: int,
                items: list[TaskItem], repeat: int, mode: str) -> dict[str, Any]:
     return {
@@ -297,7 +292,7 @@ def _timed_batch(call: Callable[[], BatchMeasurement], row: dict[str, Any], devi
         for r, result in zip(row["rows"], m.rows):
             r["_ids"] = result.new_ids  # for the comparison; not written
     except Exception as err:  # record and go on
-        row["error"] = _error(err)
+        row["error"] = error_line(err)
 
 
 def _write_group(out: Any, configs: list[Configuration], group: dict[str, dict[str, Any]], reference: str,
