@@ -9,7 +9,9 @@ Layout:
 - :mod:`.runner`: the warmed-up, interleaved grid.
 - :mod:`.batched`: how each configuration runs a batch, and requests arriving over time.
 - :mod:`.continuous_batching`: the ``hf_generate_batch`` baseline, transformers' continuous batching.
-- :mod:`.report`: summary.md and the PNG plots.
+- :mod:`.aggregate`: the figures (means, speed-ups against the reference, percentiles) from the rows.
+- :mod:`.summary`: summary.md.
+- :mod:`.plots`: the PNG plots.
 
 Outputs, in the output folder: ``results.jsonl`` (one row per run; batched and arrivals rows
 carry ``mode`` and a ``rows`` list), ``summary.md``, ``speedup_vs_length.png``,
@@ -65,7 +67,7 @@ def run_experiment(
 def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command: str | None, quiet: bool) -> Path:
     import torch
 
-    from . import configurations, measurement, report, runner, tasks
+    from . import configurations, measurement, plots, runner, summary, tasks
 
     torch.manual_seed(experiment.seed)
     if model is None:
@@ -134,8 +136,8 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
             for c in configs
         ],
     }
-    plots = report.write_plots(rows, experiment.reference, out)
-    report.write_summary(out / "summary.md", rows, meta, plots)
+    pngs = plots.write_plots(rows, experiment.reference, out)
+    summary.write_summary(out / "summary.md", rows, meta, pngs)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
 
