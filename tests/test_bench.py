@@ -12,7 +12,7 @@ import yaml
 from accel.bench import ConfigError, load_config, run_experiment
 from accel.kernels.cpu import PackedLinear, prepack, prepack_available
 from accel.bench.runner import _agreement, _schedule
-from accel.bench.schema import apply_overrides
+from accel.bench.experiment_file import apply_overrides
 from accel.bench.tasks import build_items, score
 from accel.cli import main
 from accel.strategy import REGISTRY, _load_builtin

@@ -2,10 +2,11 @@
 
 Layout:
 
-- :mod:`.schema`: the experiment file (pydantic), ``--set`` overrides, :class:`ConfigError`.
+- :mod:`.schema`: the experiment file's schema (pydantic).
+- :mod:`.experiment_file`: reading one: YAML, ``--set`` overrides, :class:`ConfigError` listing every problem.
 - :mod:`.tasks`: needle / long_doc / chat / code_file items, generated from the seed (nothing downloaded).
 - :mod:`.configurations`: the HF baselines and accel runs, and what each times.
-- :mod:`.measurement`: what a timed call records, peak memory, the machine it ran on.
+- :mod:`.measurement`: what a timed call records, the instruments that time it, the machine it ran on.
 - :mod:`.runner`: the warmed-up, interleaved grid.
 - :mod:`.batched`: how each configuration runs a batch, and requests arriving over time.
 - :mod:`.continuous_batching`: the ``hf_generate_batch`` baseline, transformers' continuous batching.
@@ -28,7 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .schema import ConfigError, Experiment, load_config
+from .experiment_file import ConfigError, load_config
+from .schema import Experiment
 
 __all__ = ["run_cli", "run_experiment", "load_config", "ConfigError", "Experiment"]
 
