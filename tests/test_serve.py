@@ -23,7 +23,8 @@ import uvicorn  # noqa: E402
 
 import accel  # noqa: E402
 from accel.models import chat_ids  # noqa: E402
-from accel.serving.serve import StopMatcher, create_app  # noqa: E402
+from accel.serving.serve import create_app  # noqa: E402
+from accel.text import StopMatcher  # noqa: E402
 from helpers import make_tiny_model, make_tiny_tokenizer  # noqa: E402
 
 MODEL_ID = "tiny-llama"
