@@ -1,6 +1,9 @@
-"""The decode loop for many requests at once: each request's :class:`Row`, the :class:`Batch`
-that steps them together, drafting (:func:`draft_rows`) and how much of it pays
-(:func:`draft_budgets`). The step itself (prefill, verify, accept, commit) is :mod:`accel.steps`.
+"""The decode loop for many requests at once: each request's :class:`Row` and :class:`Stats`,
+the :class:`Batch` that steps them together, and how much drafting pays (:func:`draft_budgets`,
+from each row's running acceptance and drafting cost, checked by :func:`draft_guard`).
+Drafting itself (every row's drafters proposing, their trees merged) is :mod:`accel.drafting`;
+the step (prefill, verify, accept, commit) is :mod:`accel.steps`; a request's strategies by
+capability are its :class:`~accel.strategy.Plan`.
 
 Every live row of a batch is verified in ONE forward pass per step (BASS, Qi et al. 2024).
 Each row feeds its *root* (the pending token: sampled last step, its KV not yet computed)
@@ -12,12 +15,10 @@ would be alone. Plain decoding is the same loop with root-only trees.
 
 from __future__ import annotations
 
-import functools
-import json
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -26,14 +27,16 @@ from .calibration import calibrate
 from .kernels import invariance
 from .acceptance import Acceptance
 from .cache import SharedCache
+from .drafting import draft_rows, drafter_feedback, start_rows
 from .serving.prefix import PrefixStore, common_prefix, shared_prefix
 from .calibration.cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, sharing_pays
 from .steps import Warp, accept, commit, prefill, prefill_rest, verify_logits
-from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
-from .tree import DraftTree, merge_proposals
+from .strategy import DraftContext, Plan, plan_strategies
+from .tree import DraftTree
 
-__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "merge_tree", "start_rows", "draft_rows", "decode",
-           "draft_budgets", "draft_guard", "planning_rate", "batch_steps", "run_batch"]
+# Plan and plan_strategies live in accel.strategy; importable from here too.
+__all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "decode", "draft_budgets", "draft_guard",
+           "planning_rate", "batch_steps", "run_batch"]
 
 # No fixed draft limit by default: the measured cost table sizes each step's drafts.
 DEFAULT_MAX_DRAFT: int | None = None
@@ -166,146 +169,6 @@ class Stats:
             f"accepted/step {self.mean_accepted:.2f} | KV {self.kv_bytes_kept / 2**20:.1f}/"
             f"{self.kv_bytes_full / 2**20:.1f} MiB" + ("" if self.exact_verify else " | approximate verify")
         )
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The strategies of one request, sorted by capability."""
-
-    compressor: PromptCompressor | None
-    drafters: tuple[Drafter, ...]
-    rule: Strategy | None  # an AcceptanceRule, or None for greedy / lossless sampling
-
-    @property
-    def needs_hidden(self) -> bool:
-        return any(d.needs_hidden for d in self.drafters)
-
-    @functools.cached_property
-    def drafter_specs(self) -> tuple[str, ...]:
-        """Each drafter's settings as one string (``name`` + its fields as JSON): what tells
-        drafters apart for :func:`draft_guard`. A drafter whose fields have no JSON form
-        (a tensor, say) is told apart by identity, as :func:`_same_drafter` does."""
-        return tuple(_spec_string(d) for d in self.drafters)
-
-    def check(self, model: Any) -> None:
-        """Let every drafter refuse the model before any prefill work (clear ValueErrors)."""
-        for d in self.drafters:
-            d.check(model)
-
-
-def plan_strategies(strategies: list[Strategy]) -> Plan:
-    compressors = [s for s in strategies if s.compresses_prompt]
-    rules = [s for s in strategies if s.accepts]
-    if len(compressors) > 1:
-        raise ValueError(f"at most one prompt compressor per call, got {[s.name for s in compressors]}")
-    if len(rules) > 1:
-        raise ValueError(f"at most one acceptance rule per call, got {[s.name for s in rules]}")
-    drafters = tuple(s for s in strategies if s.drafts)
-    return Plan(compressors[0] if compressors else None, drafters, rules[0] if rules else None)
-
-
-# --------------------------------------------------------------------------- drafting
-
-def merge_tree(proposals: list[DraftProposal | None], ctx: DraftContext) -> tuple[DraftTree, torch.Tensor | None]:
-    """One row's drafters' ``proposals`` (in plan order) merged below the root into at most
-    ``ctx.max_tokens`` nodes: the tree and each node's drafter index (None: no drafts)."""
-    root = int(ctx.tokens[-1])
-    device = ctx.tokens.device
-    if len(proposals) == 1:
-        prop = proposals[0]
-        if prop is None or len(prop) == 0:
-            return DraftTree.root_only(root, device=device), None
-        return DraftTree.from_proposal(root, prop), torch.zeros(len(prop), dtype=torch.long)
-    merged = merge_proposals(proposals, ctx.max_tokens)
-    if merged is None:
-        return DraftTree.root_only(root, device=device), None
-    return DraftTree.from_proposal(root, merged.proposal), merged.source
-
-
-def _groups(plans: Sequence[Plan], depth: int, members: Sequence[int]) -> list[tuple[Any, list[int]]]:
-    """The rows of ``members`` with an ``depth``-th drafter, grouped by equal drafters."""
-    groups: list[tuple[Any, list[int]]] = []
-    for b in members:
-        if len(plans[b].drafters) <= depth:
-            continue
-        drafter = plans[b].drafters[depth]
-        group = next((g for g in groups if _same_drafter(g[0], drafter)), None)
-        if group is None:
-            groups.append((drafter, [b]))
-        else:
-            group[1].append(b)
-    return groups
-
-
-def start_rows(model, plans: Sequence[Plan], prompts: Sequence[torch.Tensor]) -> list[list[Any]]:
-    """Every admitted row's drafter states (:meth:`Drafter.start`), rows of equal drafters
-    started together through :meth:`Drafter.start_batch`."""
-    states: list[list[Any]] = [[None] * len(p.drafters) for p in plans]
-    for i in range(max((len(p.drafters) for p in plans), default=0)):
-        for drafter, members in _groups(plans, i, range(len(plans))):
-            if len(members) > 1:
-                got = drafter.start_batch(model, [prompts[b] for b in members])
-            else:
-                got = [drafter.start(model, prompts[members[0]])]
-            for b, state in zip(members, got):
-                states[b][i] = state
-    return states
-
-
-def draft_rows(plans: Sequence[Plan], states: Sequence[list[Any]], ctxs: Sequence[DraftContext]
-               ) -> tuple[list[tuple[DraftTree, torch.Tensor | None]], list[float], list[BaseException | None]]:
-    """Every row's draft tree for one batched step.
-
-    Rows whose i-th drafters are equal (same strategy and settings, as when a batch shares
-    its strategies) draft together through :meth:`Drafter.propose_batch` where the drafter
-    overrides it, so a drafter whose work batches pays once per step, not once per row; others
-    propose row by row. A batched call that fails is retried row by row (an override must leave
-    the states as they were when it raises), so one request's failure stays that request's.
-
-    Returns per row (tree, drafter index per node or None), the seconds its drafting took
-    (a group's time split evenly over its rows) and the error it raised (None if none).
-    """
-    rows = len(plans)
-    proposals: list[list[DraftProposal | None]] = [[None] * len(p.drafters) for p in plans]
-    seconds = [0.0] * rows
-    errors: list[BaseException | None] = [None] * rows
-    depth = max((len(p.drafters) for p in plans), default=0)
-    for i in range(depth):
-        for drafter, members in _groups(plans, i, [b for b in range(rows) if ctxs[b].max_tokens > 0]):
-            t0 = time.perf_counter()
-            got = None
-            if len(members) > 1 and type(drafter).propose_batch is not Drafter.propose_batch:
-                try:
-                    got = drafter.propose_batch([states[b][i] for b in members], [ctxs[b] for b in members])
-                    if len(got) != len(members):
-                        raise RuntimeError(f"{type(drafter).__name__}.propose_batch returned {len(got)} "
-                                           f"proposals for {len(members)} rows")
-                except Exception:  # find the row that fails, row by row; the others draft on
-                    got = None
-            if got is None:
-                got = []
-                for b in members:
-                    try:
-                        got.append(drafter.propose(states[b][i], ctxs[b]))
-                    except Exception as err:
-                        errors[b] = errors[b] or err
-                        got.append(None)
-            share = (time.perf_counter() - t0) / len(members)
-            for b, prop in zip(members, got):
-                proposals[b][i] = prop
-                seconds[b] += share
-    trees = []
-    for b in range(rows):
-        tree = None
-        if plans[b].drafters and ctxs[b].max_tokens > 0 and errors[b] is None:
-            try:  # a malformed proposal is that row's error too
-                tree = merge_tree(proposals[b], ctxs[b])
-            except Exception as err:
-                errors[b] = err
-        if tree is None:
-            tree = (DraftTree.root_only(int(ctxs[b].tokens[-1]), device=ctxs[b].tokens.device), None)
-        trees.append(tree)
-    return trees, seconds, errors
 
 
 # --------------------------------------------------------------------------- rows and batches
@@ -576,7 +439,7 @@ class Batch:
             s.accepted_tokens += acc.accepted
             s.accepted_per_step.append(acc.accepted)
             if row.plan.drafters:
-                _feedback(row.plan, row.states, sources[b], acc)
+                drafter_feedback(row.plan, row.states, sources[b], acc)
                 row.observe(tree, acc, draft_s[b])
             if row.hidden is not None:
                 row.hidden = hidden[b, acc.path[-1]]
@@ -611,36 +474,6 @@ class Batch:
         for row in done:
             self.retire(row)
         return done
-
-
-def _spec_string(drafter: Drafter) -> str:
-    try:
-        return f"{drafter.name}{json.dumps(drafter.model_dump(mode='json'), sort_keys=True)}"
-    except (ValueError, TypeError):  # pydantic's serialization error is a ValueError
-        return f"{drafter.name}<{type(drafter).__qualname__} at {id(drafter):#x}>"
-
-
-def _same_drafter(a: Any, b: Any) -> bool:
-    """Whether two rows' drafters may draft together: the same object, or equal settings of
-    the same class (a drafter whose fields cannot be compared, e.g. tensors, drafts alone)."""
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - a field without a truth value: treat as different
-        return False
-
-
-def _feedback(plan: Plan, states: list[Any], source: torch.Tensor | None, acc: Acceptance) -> None:
-    if source is None:
-        for d, s in zip(plan.drafters, states):
-            d.feedback(s, 0, 0)
-        return
-    path_sources = [int(source[j - 1]) for j in acc.path[1:]]
-    for i, (d, s) in enumerate(zip(plan.drafters, states)):
-        d.feedback(s, int((source == i).sum()), sum(1 for src in path_sources if src == i))
 
 
 # --------------------------------------------------------------------------- the loop

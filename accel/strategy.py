@@ -14,10 +14,14 @@ The decode loop never uses ``isinstance`` on strategies; it reads capability fla
 - ``drafts``: the strategy proposes draft trees for verification (:class:`Drafter`).
 - ``needs_hidden``: the drafter wants the verifier's last hidden state (Medusa heads).
 - ``accepts``: the strategy replaces the acceptance rule (:class:`AcceptanceRule`).
+
+A request's strategies, sorted by capability, are its :class:`Plan` (:func:`plan_strategies`).
 """
 
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
@@ -37,6 +41,8 @@ __all__ = [
     "build_strategy",
     "build_strategies",
     "StrategyError",
+    "Plan",
+    "plan_strategies",
 ]
 
 
@@ -289,3 +295,51 @@ def build_strategies(specs: Any) -> list[Strategy]:
     if isinstance(specs, (Strategy, str, dict)):
         specs = [specs]
     return [build_strategy(s, where=f"strategies[{i}].") for i, s in enumerate(specs)]
+
+
+# --------------------------------------------------------------------------- a request's plan
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The strategies of one request, sorted by capability."""
+
+    compressor: PromptCompressor | None
+    drafters: tuple[Drafter, ...]
+    rule: Strategy | None  # an AcceptanceRule, or None for greedy / lossless sampling
+
+    @property
+    def needs_hidden(self) -> bool:
+        return any(d.needs_hidden for d in self.drafters)
+
+    @functools.cached_property
+    def drafter_specs(self) -> tuple[str, ...]:
+        """Each drafter's settings as one string (``name`` + its fields as JSON): what tells
+        drafters apart for :func:`accel.engine.draft_guard`. A drafter whose fields have no JSON
+        form (a tensor, say) is told apart by identity, as :mod:`accel.drafting` groups them."""
+        return tuple(_spec_string(d) for d in self.drafters)
+
+    def check(self, model: Any) -> None:
+        """Let every drafter refuse the model before any prefill work (clear ValueErrors)."""
+        for d in self.drafters:
+            d.check(model)
+
+
+def plan_strategies(strategies: list[Strategy]) -> Plan:
+    """Sort one request's strategies by capability: at most one prompt compressor and one
+    acceptance rule, any number of drafters (in the order given)."""
+    compressors = [s for s in strategies if s.compresses_prompt]
+    rules = [s for s in strategies if s.accepts]
+    if len(compressors) > 1:
+        raise ValueError(f"at most one prompt compressor per call, got {[s.name for s in compressors]}")
+    if len(rules) > 1:
+        raise ValueError(f"at most one acceptance rule per call, got {[s.name for s in rules]}")
+    drafters = tuple(s for s in strategies if s.drafts)
+    return Plan(compressors[0] if compressors else None, drafters, rules[0] if rules else None)
+
+
+def _spec_string(drafter: Drafter) -> str:
+    try:
+        return f"{drafter.name}{json.dumps(drafter.model_dump(mode='json'), sort_keys=True)}"
+    except (ValueError, TypeError):  # pydantic's serialization error is a ValueError
+        return f"{drafter.name}<{type(drafter).__qualname__} at {id(drafter):#x}>"

@@ -277,7 +277,7 @@ def test_drafters_whose_settings_cannot_be_compared_draft_row_by_row():
     other = Biased(bias=torch.tensor([1, 3]))  # equal-looking objects whose == cannot be decided
     rows, res = _batched(model, prompts, [drafter], 10, eos_token_id=[])
     assert rows == ref and res.stats.drafted_tokens > 0
-    from accel.engine import _same_drafter
+    from accel.drafting import _same_drafter
     assert _same_drafter(drafter, drafter) and not _same_drafter(drafter, other)
 
 
