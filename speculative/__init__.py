@@ -1,7 +1,7 @@
 """Drafters and lossy acceptance rules for accel's speculative decoding.
 
 Importing the package registers the ``typical`` acceptance rule and the drafters
-(``prompt_lookup``, ``medusa``, ``draft_model``). Draft trees and the exact acceptance rules are core verify
+(``prompt_lookup``, ``medusa``, ``draft_model``, ``ngrammys``). Draft trees and the exact acceptance rules are core verify
 machinery and live in ``accel.tree`` / ``accel.acceptance``.
 """
 
@@ -9,6 +9,7 @@ from .typical import TypicalAcceptance
 from .prompt_lookup import PromptLookup
 from .medusa import Medusa, MedusaHeads
 from .draft_model import DraftModel
+from .ngrammys import NGrammys
 from .medusa.trees import TREES, build_tree
 
 __all__ = [
@@ -17,6 +18,7 @@ __all__ = [
     "Medusa",
     "MedusaHeads",
     "DraftModel",
+    "NGrammys",
     "TREES",
     "build_tree",
 ]
