@@ -1,14 +1,19 @@
-"""Shared test helpers: tiny random models that build in milliseconds, and the chi-square
-check of the sampling tests."""
+"""Shared test helpers: tiny random models that build in milliseconds, the chi-square check of
+the sampling tests, and a drafter that holds the Engine's thread for lifecycle tests."""
 
 from __future__ import annotations
 
 import math
+import threading
+from typing import Any, ClassVar
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["TINY_VOCAB", "SMALL_DRAFT", "make_tiny_config", "make_tiny_model", "make_tiny_tokenizer", "chi2_fails"]
+from accel.strategy import Drafter
+
+__all__ = ["TINY_VOCAB", "SMALL_DRAFT", "make_tiny_config", "make_tiny_model", "make_tiny_tokenizer", "chi2_fails",
+           "Gate", "gate"]
 
 #: Vocabulary size of the tiny models (ids 0..96; 0 = bos/pad, 1 = eos).
 TINY_VOCAB = 97
@@ -131,3 +136,29 @@ def chi2_fails(counts: torch.Tensor, p: torch.Tensor, z: float = 3.719, min_expe
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat > crit
+
+
+class Gate(Drafter):
+    """Holds the Engine's loop thread at a known point: its ``start()`` (in the admission,
+    after the prefill and the first token) sets ``entered`` and waits for ``proceed``, so a
+    test knows where the loop is while it submits, cancels or closes from other threads.
+    It drafts nothing. :func:`gate` builds one with fresh events."""
+
+    name: ClassVar[str] = "gate_test"
+    entered: Any = None  # threading.Event
+    proceed: Any = None  # threading.Event (not `release`: that is a Drafter method)
+    timeout: float = 120.0
+
+    def start(self, model, prompt):
+        self.entered.set()
+        if not self.proceed.wait(self.timeout):
+            raise TimeoutError("the test never opened the gate")
+        return None
+
+    def propose(self, state, ctx):
+        return None
+
+
+def gate() -> Gate:
+    """A :class:`Gate` with its own ``entered`` / ``proceed`` events."""
+    return Gate(entered=threading.Event(), proceed=threading.Event())
