@@ -9,7 +9,7 @@ with a rule that accepts every draft fail the same check, so each test can fail.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from accel import adapter
 from accel.acceptance import Acceptance
 from accel.cache import SharedCache
 from accel.steps import prefill, verify_logits
-from accel.strategy import AcceptanceRule
+from accel.strategy import AcceptanceRule, DraftProposal, Drafter
 from accel.tree import DraftTree
 from helpers import SMALL_DRAFT, TINY_VOCAB, chi2_fails, make_tiny_model
 from snapkv import SnapKV
@@ -69,6 +69,30 @@ def heads_dir(tmp_path_factory):
     return str(folder)
 
 
+class Likely(Drafter):
+    """Drafts the target's most likely next tokens (from a table of its exact conditionals),
+    so drafts are accepted about as often as they are rejected: what follows a rejection (the
+    residual distribution) then decides most of what is emitted."""
+
+    name: ClassVar[str] = "likely_sampling_test"
+    table: Any = None  # {t1: (the mode of t2 given t1, [the mode of t3 given t1, t2 for each t2])}
+
+    def start(self, model, prompt):
+        return int(prompt.numel())
+
+    def propose(self, prompt_len, ctx):
+        new = ctx.tokens[prompt_len:].tolist()  # emitted so far; the last one is the root
+        if len(new) == 1 and new[0] in self.table:
+            second, thirds = self.table[new[0]]
+            chain = [second, thirds[second]]
+        elif len(new) == 2 and new[0] in self.table:
+            chain = [self.table[new[0]][1][new[1]]]
+        else:
+            return None
+        chain = chain[: ctx.max_tokens]
+        return DraftProposal(torch.tensor(chain), torch.arange(len(chain))) if chain else None
+
+
 class AcceptEverything(AcceptanceRule):
     """WRONG on purpose: accept every draft down the first branch, then sample the bonus from p."""
 
@@ -94,9 +118,11 @@ def _warped_probs(logits: torch.Tensor, top_k: int | None, top_p: float | None) 
     return torch.softmax(logits.double(), -1)
 
 
-def _reference(model, prompt: torch.Tensor, compressor=None, top_k=None, top_p=None) -> list[torch.Tensor]:
-    """Exact marginals [V] of new tokens 1, 2 and 3 when sampling plainly from ``model`` on the
-    cache a plain ``accel.generate`` builds (compressed by ``compressor`` when given).
+def _conditionals(model, prompt: torch.Tensor, compressor=None, top_k=None, top_p=None):
+    """Exact next-token distributions when sampling plainly from ``model`` on the cache a plain
+    ``accel.generate`` builds (compressed by ``compressor`` when given): p1 [V] of the first
+    new token, the first tokens it allows, and for each of them [1 + V, V]: p(t2 | t1), then
+    p(t3 | t1, t2) for every t2.
 
     Token 1 comes from the prefill. Then one pass over a batch of copies of that cache, one
     per possible first token t1, feeds t1 and below it every possible second token as
@@ -115,7 +141,12 @@ def _reference(model, prompt: torch.Tensor, compressor=None, top_k=None, top_p=N
         with adapter.per_layer_masks(model, cache):
             prefill(model, cache, [prompt] * len(firsts), compressor)
             _, logits = verify_logits(model, cache, trees, geo.dtype)
-    probs = _warped_probs(logits, top_k, top_p).reshape(len(firsts), 1 + V, V)
+    return p1, firsts, _warped_probs(logits, top_k, top_p).reshape(len(firsts), 1 + V, V)
+
+
+def _reference(model, prompt: torch.Tensor, compressor=None, top_k=None, top_p=None) -> list[torch.Tensor]:
+    """Exact marginals [V] of new tokens 1, 2 and 3 (see :func:`_conditionals`)."""
+    p1, firsts, probs = _conditionals(model, prompt, compressor, top_k, top_p)
     w = p1[firsts].unsqueeze(1)  # [F, 1]
     p2 = (w * probs[:, 0]).sum(0)
     p3 = (w.unsqueeze(2) * probs[:, 0].unsqueeze(2) * probs[:, 1:]).sum((0, 1))
@@ -223,12 +254,20 @@ def test_the_reference_is_the_models_own_distribution(model, prompts, sampling):
 
 def test_prompt_lookup_one_row_at_t1(model, prompts):
     ref = _reference(model, prompts[0])
-    counts, drafted, accepted = _sample(model, [prompts[0]], [PromptLookup()], runs=400, seed=0)
+    counts, drafted, accepted = _sample(model, [prompts[0]], [PromptLookup()], runs=300, seed=0)
     assert drafted > 0 and accepted > 0
     for j in range(NEW):
         assert not chi2_fails(counts[0, j], ref[j]), f"new token {j + 1}"
     wrong, _, _ = _sample(model, [prompts[0]], [PromptLookup(), AcceptEverything()], runs=150, seed=10**6)
     assert any(chi2_fails(wrong[0, j], ref[j]) for j in range(1, NEW))
+
+
+def test_drafts_of_the_most_likely_tokens(model, prompts):
+    """The drafts are the target's modes, accepted about half the time, over a top-3 support:
+    a wrong correction after a rejection (drawn from p, say, instead of the residual) shows."""
+    p1, firsts, probs = _conditionals(model, prompts[0], top_k=3)
+    table = {t1: (int(probs[f, 0].argmax()), probs[f, 1:].argmax(-1).tolist()) for f, t1 in enumerate(firsts)}
+    _check_lossless(model, prompts[:1], [Likely(table=table)], runs=100, wrong_runs=30, top_k=3)
 
 
 @pytest.mark.parametrize("sampling", ["top_k", "top_p"])
