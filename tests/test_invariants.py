@@ -93,7 +93,8 @@ def test_garbage_with_snapkv_and_ada_snapkv_rows_in_one_engine_batch(model):
     """Rows of different compressors (and none) in one Engine batch, all with garbage drafts:
     each equals plain decoding on its own compressed cache."""
     prompts = _prompts(seed=20)
-    kinds = [[COMPRESSORS["snapkv"]], [COMPRESSORS["ada_snapkv"]], [], [COMPRESSORS["snapkv"]], [COMPRESSORS["ada_snapkv"]]]
+    snap, ada = COMPRESSORS["snapkv"], COMPRESSORS["ada_snapkv"]
+    kinds = [[snap], [ada], [], [snap], [ada]]
     ref = [_alone(model, p, k) for p, k in zip(prompts, kinds)]
     garbage = Garbage(references={Garbage.key(p): tuple(r) for p, r in zip(prompts, ref)})
     hold = gate()
@@ -132,7 +133,8 @@ def test_generate_refuses_a_prompt_longer_than_the_context(short_model):
     with pytest.raises(ValueError, match=r"80 tokens .* context of 64 tokens"):
         next(stream)
     # up to the context is fine
-    assert accel.generate(short_model, LONG[:60].unsqueeze(0), max_new_tokens=4, eos_token_id=[]).sequences.shape == (1, 64)
+    fits = accel.generate(short_model, LONG[:60].unsqueeze(0), max_new_tokens=4, eos_token_id=[])
+    assert fits.sequences.shape == (1, 64)
 
 
 def test_the_engine_refuses_a_prompt_longer_than_the_context_at_submit(short_model):
