@@ -482,7 +482,8 @@ class Batch:
 def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT
                 ) -> Iterator[list[tuple[Row, list[int]]]]:
     """Decode ``rows`` together until every one is done, yielding after the prefill and after
-    every step the (row, newly emitted tokens) pairs of the rows that took part."""
+    every step the (row, newly emitted tokens) pairs of the rows that took part (the first
+    yield has every row: one with ``max_new_tokens=0`` is done there, with no tokens)."""
     batch = Batch(model, max_draft=max_draft)
     live = [r for r in rows if r.max_new_tokens > 0]
     for r in rows:
@@ -492,7 +493,7 @@ def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAF
     with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache):
         with torch.inference_mode():
             batch.admit(live)
-            pairs = [(r, list(r.generated)) for r in live]
+            pairs = [(r, list(r.generated)) for r in rows]
             batch.retire_done()
         yield pairs
         while batch.rows:

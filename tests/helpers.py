@@ -1,11 +1,19 @@
-"""Shared test helpers: tiny random models that build in milliseconds."""
+"""Shared test helpers: tiny random models that build in milliseconds, the chi-square check of
+the sampling tests, and a drafter that holds the Engine's thread for lifecycle tests."""
 
 from __future__ import annotations
+
+import math
+import threading
+from typing import Any, ClassVar
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-__all__ = ["TINY_VOCAB", "SMALL_DRAFT", "make_tiny_config", "make_tiny_model", "make_tiny_tokenizer"]
+from accel.strategy import Drafter
+
+__all__ = ["TINY_VOCAB", "SMALL_DRAFT", "make_tiny_config", "make_tiny_model", "make_tiny_tokenizer", "chi2_fails",
+           "Gate", "gate"]
 
 #: Vocabulary size of the tiny models (ids 0..96; 0 = bos/pad, 1 = eos).
 TINY_VOCAB = 97
@@ -90,3 +98,67 @@ def make_tiny_tokenizer():
     )
     tok.chat_template = TINY_CHAT_TEMPLATE
     return tok
+
+
+def chi2_fails(counts: torch.Tensor, p: torch.Tensor, z: float = 3.719, min_expected: float = 5.0) -> bool:
+    """True if ``counts`` [K] are NOT plausibly a multinomial sample of the distribution ``p``
+    [K]: Pearson's chi-square test at level 1e-4 (Wilson-Hilferty critical value for ``z``).
+
+    Any count in a bin that ``p`` gives zero probability fails outright (a token that top-k /
+    top-p excludes, or that the target forbids). Bins expected to hold fewer than
+    ``min_expected`` samples are pooled into one (Pearson's statistic is unreliable on sparse
+    bins, and a language model's tail is long), itself merged into the smallest other bin while
+    it is still that sparse. ``p`` is normalised here, so it may be float32 softmax output.
+    """
+    counts = counts.double().reshape(-1)
+    p = p.double().reshape(-1)
+    if counts.shape != p.shape:
+        raise ValueError(f"counts has {counts.numel()} bins, p {p.numel()}")
+    if counts[p == 0].sum() > 0:
+        return True
+    p = p / p.sum()
+    expected = counts.sum() * p
+    dense = expected >= min_expected
+    sparse = (p > 0) & ~dense
+    obs, exp = counts[dense].tolist(), expected[dense].tolist()
+    rest_obs, rest_exp = float(counts[sparse].sum()), float(expected[sparse].sum())
+    if rest_exp > 0:
+        if rest_exp < min_expected and exp:
+            i = min(range(len(exp)), key=exp.__getitem__)
+            obs[i] += rest_obs
+            exp[i] += rest_exp
+        else:
+            obs.append(rest_obs)
+            exp.append(rest_exp)
+    df = len(exp) - 1
+    if df < 1:  # one bin: nothing to test beyond the zero-probability bins
+        return False
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return stat > crit
+
+
+class Gate(Drafter):
+    """Holds the Engine's loop thread at a known point: its ``start()`` (in the admission,
+    after the prefill and the first token) sets ``entered`` and waits for ``proceed``, so a
+    test knows where the loop is while it submits, cancels or closes from other threads.
+    It drafts nothing. :func:`gate` builds one with fresh events."""
+
+    name: ClassVar[str] = "gate_test"
+    entered: Any = None  # threading.Event
+    proceed: Any = None  # threading.Event (not `release`: that is a Drafter method)
+    timeout: float = 120.0
+
+    def start(self, model, prompt):
+        self.entered.set()
+        if not self.proceed.wait(self.timeout):
+            raise TimeoutError("the test never opened the gate")
+        return None
+
+    def propose(self, state, ctx):
+        return None
+
+
+def gate() -> Gate:
+    """A :class:`Gate` with its own ``entered`` / ``proceed`` events."""
+    return Gate(entered=threading.Event(), proceed=threading.Event())

@@ -1,14 +1,13 @@
 """Acceptance rules: golden greedy walks, a statistical test that speculative sampling
 reproduces the target distribution (and that the test catches wrong rules), typical acceptance."""
 
-import math
-
 import pytest
 import torch
 
 from accel.strategy import REGISTRY, StrategyError, build_strategy
 from accel.acceptance import Acceptance, _draw, draw_from, greedy_accept, sample_accept
 from accel.tree import DraftTree
+from helpers import chi2_fails
 from speculative import TypicalAcceptance
 
 V = 8
@@ -78,20 +77,6 @@ P1 = torch.tensor([0.05, 0.05, 0.40, 0.10, 0.10, 0.10, 0.10, 0.10])
 P2 = torch.full((V,), 1.0 / V)
 # A draft distribution unlike p0, with mass on token 7 that p0 forbids.
 Q = torch.tensor([0.05, 0.05, 0.10, 0.30, 0.20, 0.10, 0.05, 0.15])
-
-
-def chi2_fails(counts: torch.Tensor, p: torch.Tensor, z: float = 3.719) -> bool:
-    """True if ``counts`` are NOT plausibly multinomial(n, p): chi-square test at level 1e-4
-    (Wilson-Hilferty critical value); any count in a zero-probability bin fails."""
-    n = counts.sum().item()
-    if counts[p == 0].sum() > 0:
-        return True
-    mask = p > 0
-    expected = n * p[mask]
-    stat = ((counts[mask] - expected) ** 2 / expected).sum().item()
-    df = int(mask.sum()) - 1
-    crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-    return stat > crit
 
 
 def emitted_counts(rule, make_tree, probs, n, seed=0):

@@ -15,11 +15,10 @@ import accel
 from accel import adapter
 from accel.acceptance import Acceptance
 from accel.strategy import AcceptanceRule, StrategyError, build_strategy
-from helpers import SMALL_DRAFT, TINY_VOCAB, make_tiny_model
+from helpers import SMALL_DRAFT, TINY_VOCAB, chi2_fails, make_tiny_model
 from snapkv import AdaSnapKV, SnapKV
 from speculative import DraftModel
 from speculative.draft_model import check_vocabularies, fit_vocab
-from test_acceptance import chi2_fails
 
 
 

@@ -88,6 +88,18 @@ def _trim_heap() -> None:
         trim(0)
 
 
+def _unadmitted(row: Row, generator_state: torch.Tensor | None) -> None:
+    """Undo what a failed :meth:`Batch.admit` may have done to ``row`` (its first token, stats,
+    drafter states, random draws), so that it can be admitted again."""
+    row.generated.clear()
+    row.finish_reason = None
+    row.tokens = row.hidden = None
+    row.states = []
+    row.stats = Stats()
+    if generator_state is not None:
+        row.generator.set_state(generator_state)
+
+
 def _ignore(item: Any) -> None:  # the callback of a request whose own callback raised
     pass
 
@@ -258,9 +270,11 @@ class Engine:
         handle = RequestHandle(id=next(self._ids), row=row,
                                _text=TextStream(self.tokenizer) if self.tokenizer is not None else None)
         row.tag = handle
-        with self._lock:
+        with self._lock:  # with close(): queued before the loop's last drain, or refused
+            if self._closed.is_set():
+                raise RuntimeError("the engine is closed")
             self._counters["requests_total"] += 1
-        self._waiting.put(handle)
+            self._waiting.put(handle)
         self._wake.set()
         return handle
 
@@ -291,7 +305,8 @@ class Engine:
 
     def close(self, timeout: float | None = 30.0) -> None:
         """Stop the loop thread; requests still running or waiting end as 'cancelled'."""
-        self._closed.set()
+        with self._lock:
+            self._closed.set()
         self._wake.set()
         self._thread.join(timeout)
 
@@ -329,6 +344,7 @@ class Engine:
             while not self._closed.is_set():
                 self._drop_cancelled()
                 admitted = self._admit()
+                self._drop_cancelled()  # cancelled during their prefill: freed before any step
                 if not self._live:
                     if not admitted:
                         if stepped:  # the last request just ended: give back what the batch freed
@@ -371,20 +387,32 @@ class Engine:
             new.append(h)
         if not new:
             return False
-        t0 = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                self._batch.admit([h.row for h in new])
-            self._count("prefill_seconds", time.perf_counter() - t0)
-            self._count("prefills", 1)
-        except Exception as err:  # the prefill of these requests failed; the running batch is untouched
-            for h in new:
-                self._finish(h, "error", error=f"{type(err).__name__}: {err}")
-            return True
+        new = self._prefill(new)
         with self._lock:
             self._live.extend(new)
         self._deliver([(h.row, list(h.row.generated)) for h in new], count_step=False)
         return True
+
+    def _prefill(self, new: list[RequestHandle]) -> list[RequestHandle]:
+        """Prefill ``new`` together into the batch; returns those admitted. If that raises, the
+        running batch is untouched and each request is tried alone, so a request whose prefill
+        fails (its compressor or drafter raising, a prompt too large for memory) ends with its
+        error and the requests that arrived with it are served."""
+        generators = [h.row.generator.get_state() if h.row.generator is not None else None for h in new]
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self._batch.admit([h.row for h in new])
+        except Exception as err:
+            for h, state in zip(new, generators):  # back as submitted: the prefill may have emitted
+                _unadmitted(h.row, state)
+            if len(new) > 1:
+                return [h for one in new for h in self._prefill([one])]
+            self._finish(new[0], "error", error=f"{type(err).__name__}: {err}")
+            return []
+        self._count("prefill_seconds", time.perf_counter() - t0)
+        self._count("prefills", 1)
+        return new
 
     def _count(self, name: str, amount: float) -> None:
         with self._lock:
