@@ -117,6 +117,7 @@ class Configuration:
     batch_note: str | None = None
     serve: Callable[[list[TaskItem], Arrivals, int], BatchMeasurement] | None = None
     serve_note: str | None = None
+    precision: str | None = None  # the model's dtype or quantization (``Experiment.precisions``)
 
     def takes(self, batch_size: int) -> bool:
         """Whether a batched call of ``batch_size`` rows runs here."""
@@ -385,6 +386,18 @@ def _single(batch: Callable[[list[TaskItem], int], BatchMeasurement]) -> Callabl
 _NO_SERVICE = "no service form: it runs one call at a time"
 
 
+def build_precision_configurations(experiment: Experiment, models: list[tuple[str, Any]],
+                                   tokenizer: Any) -> list[Configuration]:
+    """:func:`build_configurations` for each ``(precision, model)``, each named
+    ``NAME@PRECISION`` where ``experiment.precisions`` lists several (else as they are)."""
+    configs = []
+    for precision, model in models:
+        for c in build_configurations(experiment, model, tokenizer):
+            name = f"{c.name}@{precision}" if experiment.precisions else c.name
+            configs.append(replace(c, name=name, precision=precision))
+    return configs
+
+
 def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> list[Configuration]:
     """Baselines first, then runs, in file order."""
     eos = adapter.default_eos(model, tokenizer)
@@ -566,7 +579,7 @@ def _warmup_item(item: TaskItem) -> TaskItem:
 def _row(experiment: Experiment, c: Configuration, item: TaskItem, repeat: int) -> dict[str, Any]:
     return {
         "experiment": experiment.name, "config": c.name, "config_kind": c.kind, "strategies": c.spec,
-        "drafts": c.drafts, "task": item.task, "kind": item.kind, "item": item.item_id, "repeat": repeat,
+        "precision": c.precision or experiment.precision, "drafts": c.drafts, "task": item.task, "kind": item.kind, "item": item.item_id, "repeat": repeat,
         "meta": item.meta, "prompt_tokens": item.prompt_tokens, "new_tokens": None, "prefill_s": None,
         "decode_s": None, "decode_tok_s": None, "e2e_s": None, "verify_steps": None, "mean_accepted": None,
         "accepted_per_step": None, "kv_bytes_kept": None, "kv_bytes_full": None, "peak_rss_mib": None,
@@ -623,7 +636,7 @@ def _batch_row(experiment: Experiment, c: Configuration, task: str, kind: str, b
                items: list[TaskItem], repeat: int, mode: str) -> dict[str, Any]:
     return {
         "experiment": experiment.name, "mode": mode, "config": c.name, "config_kind": c.kind, "strategies": c.spec,
-        "drafts": c.drafts, "task": task, "kind": kind, "batch_size": batch_size, "group": group,
+        "precision": c.precision or experiment.precision, "drafts": c.drafts, "task": task, "kind": kind, "batch_size": batch_size, "group": group,
         "items": [i.item_id for i in items], "repeat": repeat, "prompt_tokens": sum(i.prompt_tokens for i in items),
         "new_tokens": None, "e2e_s": None, "tok_s": None, "prefill_s": None, "decode_s": None, "decode_tokens": None,
         "decode_tok_s": None, "latency_mean_s": None, "latency_p50_s": None, "latency_p95_s": None,
@@ -849,7 +862,17 @@ def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:
         if adapter.geometry(model).device.type == "cuda" else None,
         "model": experiment.model, "model_class": type(model).__name__,
         "model_name": DEFAULT_MODEL_NAME if experiment.model == "default" else (getattr(model.config, "name_or_path", "") or ""),
-        "parameters": sum(p.numel() for p in model.parameters()), "dtype": experiment.dtype,
+        "parameters": _parameters(model), "dtype": experiment.dtype,
+        "quantize": None if experiment.quantize is None else str(experiment.quantize),
+        "precisions": list(experiment.precisions),
         "prepacked": is_prepacked(model), "transposed": is_transposed(model),
     }
     return info
+
+
+def _parameters(model: Any) -> int:
+    """The model's parameter count, quantized weights included (held as buffers)."""
+    from ..kernels.lowbit import quantization_of
+
+    quant = quantization_of(model)
+    return sum(p.numel() for p in model.parameters()) + (quant.weights if quant is not None else 0)
