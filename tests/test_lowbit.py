@@ -14,6 +14,7 @@ from torch import nn
 import accel
 from accel.kernels import invariance, lowbit
 from helpers import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
+from snapkv import SnapKV
 from speculative import Medusa, PromptLookup
 from test_batch import _left_padded
 from test_medusa import random_heads
@@ -303,6 +304,17 @@ def test_greedy_drafting_equals_plain_decoding_of_the_quantized_model(scheme, tm
     for p in prompts[:1]:  # garbage drafts
         out, same = _equal_rows(model, p[None], [Scripted(mode="random", size=7)])
         assert out.stats.drafted_tokens > 0 and out.stats.exact_verify and same
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_snapkv_reads_the_queries_of_quantized_projections(scheme):
+    model = _shared(scheme)
+    ids = _prompt(4, 60)
+    kept = [SnapKV(budget=24, window=4, kernel=3)]
+    ref = accel.generate(model, ids, strategies=kept, max_new_tokens=16, eos_token_id=[])
+    out = accel.generate(model, ids, strategies=kept + [PromptLookup()], max_new_tokens=16, eos_token_id=[])
+    assert ref.stats.kv_bytes_kept < ref.stats.kv_bytes_full
+    assert out.stats.exact_verify and out.stats.drafted_tokens > 0 and torch.equal(out.sequences, ref.sequences)
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
