@@ -389,7 +389,10 @@ def _kernelized_function(rope: Callable) -> Callable:
 
 def _out_features(layer: torch.nn.Module) -> int | None:
     weight = getattr(layer, "weight", None)
-    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return int(weight.shape[0])
+    out = getattr(layer, "out_features", None)  # a layer that holds its weight otherwise (int8 / int4 codes)
+    return out if isinstance(out, int) else None
 
 
 def query_layout(module: torch.nn.Module, owner: str) -> QueryLayout:

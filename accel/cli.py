@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from accel.dtypes import dtype_arg
+from accel.kernels.lowbit import quantize_arg
 
 __all__ = ["main"]
 
@@ -18,7 +19,7 @@ def _generate(args: argparse.Namespace) -> int:
     import torch
 
     strategies = accel.build_strategies(args.strategy)  # validate before loading the model
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
     if args.raw:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
@@ -64,7 +65,7 @@ def _calibrate(args: argparse.Namespace) -> int:
         if args.threads < 1:
             raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    model, _ = load_model(args.model, dtype=args.dtype, device=args.device, prepack=False)
+    model, _ = load_model(args.model, dtype=args.dtype, device=args.device, prepack=False, quantize=args.quantize)
     table = cost_table(model, force=args.force)
     key = calibration_key(model)
     console = Console()
@@ -87,7 +88,8 @@ def _calibrate(args: argparse.Namespace) -> int:
                 kern.add_row(str(c), str(t), *(f"{g[ci][ti]:.1f}" for g in table.kernel_ms.values()))
         console.print(kern)
     machine = key["machine"]
-    console.print(f"model {args.model} ({key['model']['class']}), {key['device']['type']} {key['dtype']}, "
+    quant = f" with {key['quantize']['scheme']} weights" if key.get("quantize") else ""
+    console.print(f"model {args.model} ({key['model']['class']}), {key['device']['type']} {key['dtype']}{quant}, "
                   f"{key['threads']} threads, {machine['cpu']} ({machine['cores']} cores), torch {machine['torch']}")
     console.print(f"transposed weights: {table.transposed}, prefer_prepack: {table.prefer_prepack} "
                   f"(linear kernels: {table.kernels})")
@@ -105,6 +107,10 @@ def _serve(args: argparse.Namespace) -> int:
     from accel.serving.serve import run_cli
 
     return run_cli(args)
+
+
+_QUANTIZE_HELP = ("weight-only int8 / int4 linear layers, the rest in bfloat16 (quantized from the checkpoint loaded "
+                  "in --dtype): int8, int4, or with options, e.g. int4:group_size=64,lm_head=true; none (default)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,12 +134,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="feed the prompt as plain text, without the chat template")
     g.add_argument("--dtype", type=dtype_arg, default="float32",
                    help="weights and KV cache dtype (greedy drafting stays exact in each; see accel.kernels.invariance)")
+    g.add_argument("--quantize", type=quantize_arg, default=None, help=_QUANTIZE_HELP)
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run a YAML-configured speed-up experiment")
     b.add_argument("config", help="experiment YAML file (see configs/)")
     b.add_argument("--out", default=None, help="output folder (default: the config's output folder)")
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    b.add_argument("--quantize", type=quantize_arg, default=None,
+                   help="the experiment's quantization (as --set quantize=...): " + _QUANTIZE_HELP)
     b.set_defaults(func=_bench)
 
     t = sub.add_parser("train-heads", help="train Medusa draft heads by self-distillation",
@@ -179,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct), a local folder or a .gguf file")
     c.add_argument("--threads", type=int, default=None, help="torch CPU threads to measure with (default: torch's choice)")
     c.add_argument("--dtype", type=dtype_arg, default="float32")
+    c.add_argument("--quantize", type=quantize_arg, default=None, help=_QUANTIZE_HELP)
     c.add_argument("--device", default="cpu")
     c.add_argument("--force", action="store_true", help="measure again even if a cached table exists")
     c.set_defaults(func=_calibrate)
@@ -199,6 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "that a prompt starting like an earlier one is prefilled only past the shared tokens "
                    "(float32; default 256, 0: off)")
     s.add_argument("--dtype", type=dtype_arg, default="float32")
+    s.add_argument("--quantize", type=quantize_arg, default=None, help=_QUANTIZE_HELP)
     s.add_argument("--max-tokens", type=int, default=None, help="max_tokens of requests that give none (default 256)")
     s.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists "
                    "(default: from --model)")

@@ -108,6 +108,7 @@ def load_default(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
     prepack: bool | Literal["auto"] = "auto",
+    quantize: str | None = None,
 ):
     """Load the default model, SmolLM2-135M-Instruct, and its tokenizer.
 
@@ -128,7 +129,15 @@ def load_default(
     (:func:`accel.kernels.cpu.transpose_weights`, no extra memory), and packed only for passes of as
     many query tokens as packing won for (batched and drafting steps, often not a single-row
     decode step); it depends on the CPU.
+
+    ``quantize``: ``"int8"``, ``"int4"`` (or with options, ``"int4:lm_head=true"``) or None; see
+    :func:`load_model`.
     """
+    if quantize is not None:
+        from .kernels.lowbit import load_quantized
+
+        return load_quantized(load_default, quantize=quantize, dtype=dtype, device=device,
+                              attn_implementation=attn_implementation, prepack=prepack)
     dtype = as_dtype(dtype)
     gguf = default_gguf_path()
     model, tokenizer = _load_converted(gguf, default_checkpoint_dir(), DEFAULT_MODEL_NAME, dtype, device, attn_implementation)
@@ -230,6 +239,7 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = "sdpa",
     prepack: bool | Literal["auto"] = "auto",
+    quantize: str | None = None,
 ):
     """Load a causal LM and its tokenizer, from local files only.
 
@@ -253,10 +263,23 @@ def load_model(
     False, or ``"auto"`` (the default: the layout and packing calibration measured faster,
     see :func:`load_default`).
 
+    ``quantize``: ``"int8"`` or ``"int4"`` weight-only linear layers, everything else in
+    bfloat16 (:mod:`accel.kernels.lowbit`; options as in ``"int4:group_size=64,lm_head=true"``),
+    or None (default). The weights are quantized from the checkpoint loaded in ``dtype``
+    (float32 by default, the most precise source; bfloat16 loads in half the memory); the
+    model then computes in bfloat16 (on CUDA in ``dtype`` where it is a 16-bit float), and
+    ``prepack`` does not apply. A wrong name lists the choices; a kernel this torch build or
+    CPU lacks is a ValueError saying what is missing.
+
     Raises ``ValueError`` if the checkpoint is not a causal LM (the message names its class),
     and :class:`ModelNotAvailableError` (a ``FileNotFoundError``) if nothing local matches --
     nothing is ever downloaded.
     """
+    if quantize is not None:
+        from .kernels.lowbit import load_quantized
+
+        return load_quantized(load_model, name_or_path, quantize=quantize, dtype=dtype, device=device,
+                              attn_implementation=attn_implementation, prepack=prepack)
     name = os.fspath(name_or_path)
     dtype = as_dtype(dtype)
     if name == "default":
@@ -268,26 +291,29 @@ def load_model(
     return _prepacked(model, prepack), tokenizer
 
 
-_SHARED: dict[tuple[str, torch.dtype, str], tuple[Any, Any]] = {}
+_SHARED: dict[tuple[str, torch.dtype, str, str | None], tuple[Any, Any]] = {}
 _SHARED_LOCK = threading.Lock()
 
 
 def load_shared(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
-                device: str | torch.device = "cpu"):
-    """``load_model(name_or_path, dtype, device)``, loaded once per process and shared.
+                device: str | torch.device = "cpu", quantize: str | None = None):
+    """``load_model(name_or_path, dtype, device, quantize=quantize)``, loaded once per process
+    and shared.
 
     For models that strategies name (a draft model): strategies hold configuration only, so
     the weights live here and every request and thread uses the same object. Loads are
     serialised by a lock; the model stays loaded for the life of the process.
     """
+    from .kernels.lowbit import quantize_name
+
     name = os.fspath(name_or_path)
     dtype = as_dtype(dtype)
     path = Path(name).expanduser()
-    key = (str(path.resolve()) if path.exists() else name.lower(), dtype, str(torch.device(device)))
+    key = (str(path.resolve()) if path.exists() else name.lower(), dtype, str(torch.device(device)), quantize_name(quantize))
     with _SHARED_LOCK:
         hit = _SHARED.get(key)
         if hit is None:
-            hit = _SHARED[key] = load_model(name, dtype=dtype, device=device)
+            hit = _SHARED[key] = load_model(name, dtype=dtype, device=device, quantize=quantize)
     return hit
 
 

@@ -72,16 +72,8 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
     from . import configurations, measurement, plots, runner, summary, tasks
 
     torch.manual_seed(experiment.seed)
-    if model is None:
-        from ..models import load_model
-
-        device = torch.device(experiment.device)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
-        model, loaded_tok = load_model(
-            experiment.model, dtype=experiment.dtype, device=device, prepack=experiment.prepack
-        )
-        tokenizer = tokenizer if tokenizer is not None else loaded_tok
+    models, tokenizer = _models(experiment, model, tokenizer)
+    model = models[0][1]
     if tokenizer is None:
         raise ValueError(f"model {experiment.model!r} comes without a tokenizer; the bench tasks need one")
 
@@ -96,7 +88,7 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
                 f"{worst.task}/{worst.item_id} has {worst.prompt_tokens} prompt tokens + "
                 f"{experiment.generation.max_new_tokens} new tokens; use shorter lengths"
             )
-    configs = configurations.build_configurations(experiment, model, tokenizer)
+    configs = configurations.build_precision_configurations(experiment, models, tokenizer)
     ref = next(c for c in configs if c.name == experiment.reference)
     if ref.unavailable:
         raise ValueError(f"reference {ref.name!r} is unavailable: {ref.unavailable}")
@@ -144,19 +136,61 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
     return out
 
 
+def _models(experiment: Experiment, model: Any, tokenizer: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """``[(precision, model)]``: one model of ``dtype`` / ``quantize``, or one per entry of
+    ``precisions``; loaded, or made from a given ``model`` (a copy per precision: cast, or
+    quantized with :func:`accel.kernels.lowbit.quantize_model`). Also the tokenizer."""
+    import copy
+
+    import torch
+
+    from ..dtypes import DTYPES
+    from ..kernels.lowbit import quantization_of, quantize_model
+
+    wanted = experiment.precisions or [experiment.precision]
+    if model is not None:
+        if not experiment.precisions:
+            if experiment.quantize is not None and quantization_of(model) is None:
+                model = quantize_model(copy.deepcopy(model), experiment.quantize)
+            return [(experiment.precision, model)], tokenizer
+        made = []
+        for p in wanted:
+            twin = copy.deepcopy(model)
+            made.append((p, twin.to(DTYPES[p]) if p in DTYPES else quantize_model(twin, p)))
+        return made, tokenizer
+    from ..models import load_model
+
+    device = torch.device(experiment.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
+    models = []
+    for p in wanted:
+        dtype, quantize = (p, None) if p in DTYPES else (experiment.dtype, p)
+        loaded, loaded_tok = load_model(experiment.model, dtype=dtype, device=device, prepack=experiment.prepack,
+                                        quantize=quantize)
+        tokenizer = tokenizer if tokenizer is not None else loaded_tok
+        models.append((p, loaded))
+    return models, tokenizer
+
+
 def _command(args: Any) -> str:
     parts = ["accel", "bench", args.config]
     if args.out:
         parts += ["--out", args.out]
     for item in args.set or []:
         parts += ["--set", item]
+    if getattr(args, "quantize", None) is not None:
+        parts += ["--quantize", args.quantize]
     return " ".join(shlex.quote(p) for p in parts)
 
 
 def run_cli(args: Any) -> int:
     """``accel bench``: validate the file (nothing written if it is wrong), run, report."""
+    overrides = list(args.set or [])
+    if getattr(args, "quantize", None) is not None:
+        overrides.append(f"quantize={args.quantize}")
     try:
-        experiment = load_config(args.config, list(args.set or []))
+        experiment = load_config(args.config, overrides)
     except ConfigError as err:
         n = len(err.problems)
         print(f"accel bench: {args.config} is not a valid experiment ({n} problem{'s' * (n != 1)}):", file=sys.stderr)

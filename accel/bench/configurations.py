@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -61,6 +61,7 @@ class Configuration:
     batch_note: str | None = None
     serve: Callable[[list[TaskItem], Arrivals, int], BatchMeasurement] | None = None
     serve_note: str | None = None
+    precision: str | None = None  # the model's dtype or quantization (``Experiment.precisions``)
 
     def takes(self, batch_size: int) -> bool:
         """Whether a batched call of ``batch_size`` rows runs here."""
@@ -260,6 +261,18 @@ def _single(batch: Callable[[list[TaskItem], int], BatchMeasurement]) -> Callabl
 
 
 _NO_SERVICE = "no service form: it runs one call at a time"
+
+
+def build_precision_configurations(experiment: Experiment, models: list[tuple[str, Any]],
+                                   tokenizer: Any) -> list[Configuration]:
+    """:func:`build_configurations` for each ``(precision, model)``, each named
+    ``NAME@PRECISION`` where ``experiment.precisions`` lists several (else as they are)."""
+    configs = []
+    for precision, model in models:
+        for c in build_configurations(experiment, model, tokenizer):
+            name = f"{c.name}@{precision}" if experiment.precisions else c.name
+            configs.append(replace(c, name=name, precision=precision))
+    return configs
 
 
 def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> list[Configuration]:

@@ -258,7 +258,17 @@ def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:
         if adapter.geometry(model).device.type == "cuda" else None,
         "model": experiment.model, "model_class": type(model).__name__,
         "model_name": DEFAULT_MODEL_NAME if experiment.model == "default" else (getattr(model.config, "name_or_path", "") or ""),
-        "parameters": sum(p.numel() for p in model.parameters()), "dtype": experiment.dtype,
+        "parameters": _parameters(model), "dtype": experiment.dtype,
+        "quantize": None if experiment.quantize is None else str(experiment.quantize),
+        "precisions": list(experiment.precisions),
         "prepacked": is_prepacked(model), "transposed": is_transposed(model),
     }
     return info
+
+
+def _parameters(model: Any) -> int:
+    """The model's parameter count, quantized weights included (held as buffers)."""
+    from ..kernels.lowbit import quantization_of
+
+    quant = quantization_of(model)
+    return sum(p.numel() for p in model.parameters()) + (quant.weights if quant is not None else 0)

@@ -158,7 +158,7 @@ def _warmup_item(item: TaskItem) -> TaskItem:
 def _row(experiment: Experiment, c: Configuration, item: TaskItem, repeat: int) -> dict[str, Any]:
     return {
         "experiment": experiment.name, "config": c.name, "config_kind": c.kind, "strategies": c.spec,
-        "drafts": c.drafts, "task": item.task, "kind": item.kind, "item": item.item_id, "repeat": repeat,
+        "precision": c.precision or experiment.precision, "drafts": c.drafts, "task": item.task, "kind": item.kind, "item": item.item_id, "repeat": repeat,
         "meta": item.meta, "prompt_tokens": item.prompt_tokens, "new_tokens": None, "prefill_s": None,
         "decode_s": None, "decode_tok_s": None, "e2e_s": None, "verify_steps": None, "mean_accepted": None,
         "accepted_per_step": None, "kv_bytes_kept": None, "kv_bytes_full": None, "peak_rss_mib": None,
@@ -211,7 +211,7 @@ def _batch_row(experiment: Experiment, c: Configuration, task: str, kind: str, b
                items: list[TaskItem], repeat: int, mode: str) -> dict[str, Any]:
     return {
         "experiment": experiment.name, "mode": mode, "config": c.name, "config_kind": c.kind, "strategies": c.spec,
-        "drafts": c.drafts, "task": task, "kind": kind, "batch_size": batch_size, "group": group,
+        "precision": c.precision or experiment.precision, "drafts": c.drafts, "task": task, "kind": kind, "batch_size": batch_size, "group": group,
         "items": [i.item_id for i in items], "repeat": repeat, "prompt_tokens": sum(i.prompt_tokens for i in items),
         "new_tokens": None, "e2e_s": None, "tok_s": None, "prefill_s": None, "decode_s": None, "decode_tokens": None,
         "decode_tok_s": None, "latency_mean_s": None, "latency_p50_s": None, "latency_p95_s": None,

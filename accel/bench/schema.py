@@ -13,9 +13,10 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
-from ..dtypes import DtypeName
+from ..dtypes import DTYPES, DtypeName, dtype_name
+from ..kernels.lowbit import QuantizeSpec, quantize_name
 
 __all__ = [
     "Experiment",
@@ -207,6 +208,30 @@ BASELINE_NAMES = ("hf_generate", "hf_generate_unpacked", "hf_prompt_lookup", "hf
 # --------------------------------------------------------------------------- experiment
 
 
+def precision_name(value: Any) -> str:
+    """The canonical name of a precision: a dtype (``float32``, ``bfloat16``, ``float16``, or
+    an alias such as ``bf16``) or a weight quantization (``int8``, ``int4``,
+    ``int4:lm_head=true``). Raises ValueError naming the choices."""
+    if not isinstance(value, str):
+        raise ValueError(f"a precision is a name, got {type(value).__name__}")
+    try:
+        return dtype_name(value)
+    except ValueError:
+        pass
+    try:
+        name = quantize_name(value)
+    except ValueError:
+        name = None
+    if name is None:
+        raise ValueError(f"unknown precision {value!r}; choose a dtype ({', '.join(DTYPES)}) or a quantization "
+                         "(int8, int4, e.g. int4:lm_head=true)")
+    return name
+
+
+PrecisionName = Annotated[str, BeforeValidator(precision_name)]
+
+
+
 class Generation(_Model):
     """Generation settings shared by every configuration (greedy unless ``temperature`` > 0)."""
 
@@ -254,7 +279,19 @@ class Experiment(_Model):
     """``default`` (SmolLM2-135M-Instruct), a local checkpoint folder, a .gguf file, or a hub
     id already in the local Hugging Face cache (nothing is downloaded)."""
     dtype: DtypeName = "float32"
-    """Model weights and KV cache dtype: ``float32``, ``bfloat16`` (``bf16``) or ``float16`` (``fp16``)."""
+    """Model weights and KV cache dtype: ``float32``, ``bfloat16`` (``bf16``) or ``float16`` (``fp16``).
+    With ``quantize``: the dtype the checkpoint is loaded in before its linear weights are
+    quantized (the quantized model computes in bfloat16)."""
+    quantize: QuantizeSpec = None
+    """Weight-only quantization of the model's linear layers (``accel.kernels.lowbit``):
+    ``int8``, ``int4``, with options as in ``int4:group_size=64,lm_head=true`` or a mapping of
+    them, or null (default: none). Baselines run on the same quantized model."""
+    precisions: list[PrecisionName] = Field(default_factory=list)
+    """Compare precisions in one run: each a dtype (``float32``, ``bfloat16``, ``float16``) or a
+    quantization (``int8``, ``int4``, ``int4:lm_head=true``; loaded from ``dtype``), one model
+    loaded per entry. Every baseline and run then runs on each, named ``NAME@PRECISION``
+    (``accel_plain@int4``; ``reference`` names one of those). Empty (default): the one model
+    of ``dtype`` and ``quantize``."""
     prepack: bool | Literal["auto"] = "auto"
     """Pack float32 linear weights for oneDNN once (``accel.kernels.cpu.prepack``; CPU only): true,
     false, or ``auto`` (where this machine's calibration measured packed kernels faster). The
@@ -335,6 +372,10 @@ class Experiment(_Model):
                             "leave batch_sizes at [1] and arrivals unset")
         if self.generation.top_p is not None and self.generation.temperature == 0:
             problems.append("generation.top_p: needs generation.temperature > 0")
+        for p in sorted({p for p in self.precisions if self.precisions.count(p) > 1}):
+            problems.append(f"precisions: {p} is listed twice")
+        if self.precisions and self.quantize is not None:
+            problems.append("quantize: with precisions, name the quantizations there (precisions: [float32, int4])")
         if self.reference not in self.configuration_names():
             problems.append(
                 f"reference: {self.reference!r} is neither a baseline nor a run "
@@ -345,8 +386,18 @@ class Experiment(_Model):
         return self
 
     def configuration_names(self) -> list[str]:
-        """Baselines first, then runs, in file order."""
-        return [b.name for b in self.baselines] + list(self.runs)
+        """Baselines first, then runs, in file order; with ``precisions``, each once per
+        precision (``NAME@PRECISION``), precision by precision."""
+        names = [b.name for b in self.baselines] + list(self.runs)
+        if not self.precisions:
+            return names
+        return [f"{n}@{p}" for p in self.precisions for n in names]
+
+    @property
+    def precision(self) -> str:
+        """The precision of the one model (no ``precisions``): the quantization's name, else
+        the dtype."""
+        return str(self.quantize) if self.quantize is not None else self.dtype
 
     def task_name(self, index: int) -> str:
         task = self.tasks[index]

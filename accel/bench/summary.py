@@ -40,7 +40,7 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         f"- **Command:** `{meta['command']}`",
         f"- **Machine:** {_machine_line(machine)}",
         f"- **Model:** {machine['model']} ({_model_name(machine)}{machine['model_class']}, {params:.1f}M parameters), "
-        f"{machine['dtype']} on {machine['device']}"
+        f"{_precision_text(machine)} on {machine['device']}"
         + ("; linear weights stored column-major (`accel.kernels.cpu.transpose_weights`), baselines included"
            if machine.get("transposed") else "")
         + ("; linear weights prepacked for oneDNN (`accel.kernels.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
@@ -158,6 +158,16 @@ _BATCHED_COLUMNS = [
     "- **exact rows**: rows whose tokens equal the reference's row for the same item in the same call "
     "group, of the rows compared (mean agreement in brackets).",
 ]
+
+
+def _precision_text(machine: dict[str, Any]) -> str:
+    """What the model ran in: its dtype, its quantization, or the precisions compared."""
+    if machine.get("precisions"):
+        return (f"precisions {', '.join(machine['precisions'])} (one model each, quantized ones from "
+                f"{machine['dtype']}; configurations named NAME@PRECISION)")
+    if machine.get("quantize"):
+        return f"{machine['quantize']} weights (quantized from {machine['dtype']})"
+    return machine["dtype"]
 
 
 def _model_name(machine: dict[str, Any]) -> str:

@@ -2,7 +2,7 @@
 
 Whatever accel chooses by cost (packed or plain linear kernels, how many draft tokens a step
 verifies) comes from a :class:`~accel.calibration.cost_model.CostTable` measured for one (model, device,
-dtype, torch threads, machine) by :func:`accel.calibration.timing.measure` and cached as JSON in
+dtype, weight quantization, torch threads, machine) by :func:`accel.calibration.timing.measure` and cached as JSON in
 ``$ACCEL_CACHE/calibration/``, never from constants fitted on another machine.
 
 - :func:`cost_table` -- the table for a model: read from the cache, else measured (a notice
@@ -85,7 +85,12 @@ def _machine() -> dict[str, Any]:
 
 def calibration_key(model) -> dict[str, Any]:
     """What a table is measured for: model identity (class, attention implementation and the
-    config fields that set its sizes), device (and GPU name), dtype, torch threads, machine."""
+    config fields that set its sizes), device (and GPU name), dtype, weight quantization (None,
+    or the scheme, group size, whether the output layer is quantized and how many layers are:
+    :meth:`accel.kernels.lowbit.QuantizationInfo.key`), torch threads, machine. Each
+    quantization of a model so gets its own table, measured on the kernels it runs."""
+    from ..kernels.lowbit import quantization_of
+
     cfg = model.config.get_text_config(decoder=True)
     # the implementation the model was loaded with, also while accel runs it on packed sdpa
     identity = {"class": type(model).__name__, "attn": adapter.loaded_attention(model)}
@@ -104,6 +109,7 @@ def calibration_key(model) -> dict[str, Any]:
         "model": identity,
         "device": device,
         "dtype": str(param.dtype).removeprefix("torch."),
+        "quantize": None if (quant := quantization_of(model)) is None else quant.key(),
         "threads": torch.get_num_threads(),
         "machine": _machine(),
     }

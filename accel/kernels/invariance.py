@@ -32,6 +32,11 @@ forwards per candidate, a few seconds for the default model in bfloat16). Float3
 unpadded on sdpa (``r = 1``, what ``model.generate`` computes, so plain accel still equals it
 token for token).
 
+A model with int8 / int4 weights (:mod:`accel.kernels.lowbit`) computes in bfloat16 and is
+probed like any bfloat16 one, on its own kernels: its quantized linear layers are what decides
+``r`` (a probe is remembered per model and quantization, so a model quantized in place is
+probed again), and exact there means equal to plain decoding of the quantized model.
+
 Low precision is claimed exact (:func:`is_exact`, ``exact_verify`` in generate's stats) with
 ordered attention, a passing probe and full attention in every layer; otherwise it is
 labelled *approximate* (one warning per model). What the claim rests on beyond construction:
@@ -52,6 +57,7 @@ import torch
 
 from .. import adapter
 from ..cache import SharedCache
+from .lowbit import quantization_of
 from ..strategy import DraftProposal
 from ..tree import DraftTree
 
@@ -172,7 +178,10 @@ def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, bool]
     geo = adapter.geometry(model)
     if geo.dtype == torch.float32:
         return 1, True
-    key = (geo.dtype, geo.device, torch.get_num_threads(), candidates)
+    quant = quantization_of(model)
+    # a model quantized in place after a probe runs other kernels: probed again
+    key = (geo.dtype, geo.device, torch.get_num_threads(), candidates,
+           None if quant is None else tuple(sorted(quant.key().items())))
     with _lock:
         known = _memo.setdefault(model, {})
         if key in known:
@@ -195,8 +204,9 @@ def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, bool]
                    "do not sit where a plain step's would")
         else:
             return known[key]
+        what = str(geo.dtype) if quant is None else f"{quant.name} ({geo.dtype} activations)"
         warnings.warn(
-            f"accel: {geo.dtype} verification of {type(model).__name__} is approximate: {why}"
+            f"accel: {what} verification of {type(model).__name__} is approximate: {why}"
             "; greedy speculative output may differ from plain decoding",
             RuntimeWarning,
             stacklevel=3,
@@ -241,16 +251,18 @@ def is_exact(model) -> bool:
     return _probed(model)[1]
 
 
-def _main() -> None:  # python -m accel.kernels.invariance [dtype]: which row counts are invariant here
+def _main() -> None:  # python -m accel.kernels.invariance [dtype | int8 | int4]: which row counts are invariant here
     import sys
 
     from ..models import load_default
+    from .lowbit import SCHEMES
 
-    dtype = getattr(torch, sys.argv[1] if len(sys.argv) > 1 else "bfloat16")
-    model, _ = load_default(dtype=dtype, prepack=False)
+    what = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
+    quantize = what if what.partition(":")[0] in SCHEMES else None
+    model, _ = load_default(dtype="float32" if quantize else what, prepack=False, quantize=quantize)
     for r in CANDIDATES:
         for align in (1, KV_ALIGN):
-            print(f"{dtype} rows {r}, columns aligned to {align}: {'invariant' if probe(model, r, align) else 'NOT'}")
+            print(f"{what} rows {r}, columns aligned to {align}: {'invariant' if probe(model, r, align) else 'NOT'}")
 
 
 if __name__ == "__main__":

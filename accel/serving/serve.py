@@ -44,7 +44,7 @@ def run_cli(args: Any) -> int:
     prefix_mb = DEFAULT_PREFIX_CACHE_MB if args.prefix_cache_mb is None else args.prefix_cache_mb
     if not 0 <= prefix_mb < float("inf"):
         raise ValueError(f"--prefix-cache-mb must be >= 0, got {prefix_mb}")
-    model, tokenizer = load_model(args.model, dtype=args.dtype)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, quantize=getattr(args, "quantize", None))
     if tokenizer is None:
         log.warning("%s has no tokenizer: only /v1/completions with token ids will work", args.model)
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
