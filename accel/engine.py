@@ -12,6 +12,7 @@ would be alone. Plain decoding is the same loop with root-only trees.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import time
@@ -21,7 +22,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from . import adapter
+from . import adapter, maintenance
 from .calibration import calibrate
 from .kernels import invariance
 from .acceptance import Acceptance
@@ -29,7 +30,7 @@ from .cache import SharedCache
 from .serving.prefix import PrefixStore, common_prefix, shared_prefix
 from .calibration.cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, sharing_pays
 from .steps import Warp, accept, commit, prefill, prefill_rest, verify_logits
-from .strategy import DraftContext, DraftProposal, Drafter, PromptCompressor, Strategy
+from .strategy import DraftContext, DraftProposal, Drafter, KVQuantizer, PromptCompressor, Strategy
 from .tree import DraftTree, merge_proposals
 
 __all__ = ["Stats", "Plan", "Row", "Batch", "plan_strategies", "merge_tree", "start_rows", "draft_rows", "decode",
@@ -175,6 +176,7 @@ class Plan:
     compressor: PromptCompressor | None
     drafters: tuple[Drafter, ...]
     rule: Strategy | None  # an AcceptanceRule, or None for greedy / lossless sampling
+    quantizer: KVQuantizer | None = None  # quantizes what the row keeps (after the compressor)
 
     @property
     def needs_hidden(self) -> bool:
@@ -188,7 +190,11 @@ class Plan:
         return tuple(_spec_string(d) for d in self.drafters)
 
     def check(self, model: Any) -> None:
-        """Let every drafter refuse the model before any prefill work (clear ValueErrors)."""
+        """Let every drafter, and the quantizer, refuse the model before any prefill work
+        (clear ValueErrors)."""
+        if self.quantizer is not None:
+            geo = adapter.geometry(model)
+            self.quantizer.check_geometry(geo.num_kv_heads, geo.head_dim)
         for d in self.drafters:
             d.check(model)
 
@@ -196,12 +202,16 @@ class Plan:
 def plan_strategies(strategies: list[Strategy]) -> Plan:
     compressors = [s for s in strategies if s.compresses_prompt]
     rules = [s for s in strategies if s.accepts]
+    quantizers = [s for s in strategies if s.quantizes_kv]
+    if len(quantizers) > 1:
+        raise ValueError(f"at most one KV quantizer per call, got {[s.name for s in quantizers]}")
     if len(compressors) > 1:
         raise ValueError(f"at most one prompt compressor per call, got {[s.name for s in compressors]}")
     if len(rules) > 1:
         raise ValueError(f"at most one acceptance rule per call, got {[s.name for s in rules]}")
     drafters = tuple(s for s in strategies if s.drafts)
-    return Plan(compressors[0] if compressors else None, drafters, rules[0] if rules else None)
+    return Plan(compressors[0] if compressors else None, drafters, rules[0] if rules else None,
+                quantizers[0] if quantizers else None)
 
 
 # --------------------------------------------------------------------------- drafting
@@ -343,6 +353,7 @@ class Row:
     misses: float = 1.0
     draft_cost: DraftCost = field(default_factory=DraftCost)
     drafted_steps: int = 0  # steps in which this row verified drafts (the slow start of draft_budgets)
+    upkeep: maintenance.Upkeep | None = None  # eviction / quantization during decoding (accel.maintenance)
 
     @property
     def acceptance_rate(self) -> float:
@@ -459,9 +470,17 @@ class Batch:
         whole = [r for r, ok in zip(rows, reusable) if not ok]
         rest = [(r, m) for r, ok, m in zip(rows, reusable, matches) if ok]
         parts: list[tuple[list[Row], SharedCache, torch.Tensor]] = []
+        latest: dict[int, dict[int, torch.Tensor]] = {}  # id(row) -> its last prompt queries, for eviction
         if whole:
             fresh = SharedCache(self.geo.num_layers, self.windows)
-            hidden = prefill(self.model, fresh, [r.prompt for r in whole], [r.plan.compressor for r in whole])
+            captured: dict[int, torch.Tensor] = {}
+            hidden = prefill(self.model, fresh, [r.prompt for r in whole], [r.plan.compressor for r in whole],
+                             captured)
+            for b, r in enumerate(whole):
+                c = r.plan.compressor
+                if c is not None and c.decode_limit() is not None and c.decode_window():
+                    latest[id(r)] = maintenance.prompt_queries(captured, b, int(r.prompt.numel()), c.decode_window())
+            del captured
             parts.append((whole, fresh, hidden))
         if rest:
             fresh = SharedCache(self.geo.num_layers, self.windows)
@@ -492,7 +511,11 @@ class Batch:
                     if self._reuses(row):
                         self.prefixes.add(row.prompt, fresh, b)
             self.cache.extend(fresh)
+        first = len(self.rows)
         self.rows.extend(rows)
+        for i, row in enumerate(rows):
+            row.upkeep = maintenance.start(row.plan.compressor, row.plan.quantizer, self.cache, first + i,
+                                           latest.get(id(row)))
 
     def _share_within(self, rows: list[Row]) -> None:
         """When admitted prompts share a prefix the store does not hold (a burst of requests
@@ -518,7 +541,7 @@ class Batch:
 
     def _reuses(self, row: Row) -> bool:
         """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.serving.prefix`)."""
-        return self._prefix_model and row.plan.compressor is None
+        return self._prefix_model and row.plan.compressor is None and row.plan.quantizer is None
 
     def budgets(self) -> list[int]:
         """Draft nodes each live row may propose this step (see :func:`draft_budgets`)."""
@@ -537,15 +560,24 @@ class Batch:
         """One verify forward for every live row; returns each row's newly emitted tokens."""
         rows = self.rows
         t0 = time.perf_counter()
+        lengths = list(self.cache.logical_lengths)
+        budgets = [row.upkeep.draft_room(n, k) if row.upkeep is not None else k
+                   for row, n, k in zip(rows, lengths, self.budgets())]  # no step verifies past a cache change
         ctxs = [DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
-                             generator=row.generator) for row, budget in zip(rows, self.budgets())]
+                             generator=row.generator) for row, budget in zip(rows, budgets)]
         drafted, draft_s, errors = draft_rows([r.plan for r in rows], [r.states for r in rows], ctxs)
         trees, sources = [t for t, _ in drafted], [s for _, s in drafted]
         for row, err in zip(rows, errors):
             if err is not None:  # one request's drafter failed: that request ends, the batch goes on
                 row.error = err
-        hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
-                                       self.min_nodes)
+        captured: dict[int, torch.Tensor] | None = None  # this step's queries, when an eviction will score with them
+        if any(r.upkeep is not None and r.upkeep.wants_queries(n, k) for r, n, k in zip(rows, lengths, budgets)):
+            captured = {}
+        tap = adapter.capture_step_queries(self.model, self.cache, captured) if captured is not None \
+            else contextlib.nullcontext()
+        with tap:
+            hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
+                                           self.min_nodes)
         counts = [tree.num_nodes for tree in trees]
         greedy = [row.warp is None for row in rows]
         top = logits.argmax(dim=-1).tolist() if any(greedy) else None
@@ -557,6 +589,15 @@ class Batch:
             accs.append(acc)
             start = end
         commit(self.cache, accs)
+        for b, (row, acc) in enumerate(zip(rows, accs)):
+            up = row.upkeep
+            if up is None:
+                continue
+            if captured:
+                up.record(captured, b, acc.path, lengths[b])
+            event = up.next_event
+            if event is not None and self.cache.logical_lengths[b] >= event:
+                up.run(self.cache, b)
         elapsed = time.perf_counter() - t0
         self._judge(trees, accs, elapsed)
         for b, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
@@ -596,7 +637,7 @@ class Batch:
         i = next(i for i, r in enumerate(self.rows) if r is row)
         s = row.stats
         s.new_tokens = len(row.generated)
-        s.kv_bytes_kept = self.cache.kept_bytes(i)
+        s.kv_bytes_kept = row.upkeep.kept_bytes(self.cache, i) if row.upkeep is not None else self.cache.kept_bytes(i)
         s.kv_bytes_full = self.geo.entry_bytes() * self.cache.logical_lengths[i]
         self.cache.remove(i)
         for drafter, state in zip(row.plan.drafters, row.states):
