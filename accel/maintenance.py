@@ -8,8 +8,17 @@ at the same tokens, so a row's cache changes only when its logical length reache
 :meth:`Upkeep.next_event` (a point computed from entry counts, which depend on the committed
 tokens only, never on how many tokens a step accepted), and :meth:`Upkeep.draft_room`
 keeps a step from verifying tokens past that point: the tokens after it are computed on the
-changed cache, in drafted and in plain decoding alike. Drafting pauses for at most one step
-per event (the step that ends right before it).
+changed cache, in drafted and in plain decoding alike. Drafts shrink only in the steps that
+end right before an event.
+
+What that rests on: the verify pass computing a token's entries as a plain step does. With
+bit-identical verification (low precision with ordered attention, :mod:`accel.kernels.invariance`)
+both kinds of change are exact. In float32 a verify pass and a plain step agree to a few
+ulps: an eviction's top-k is a discrete choice like the greedy argmax (which the float32
+claim already rests on, tested, not probed), but quantization rounds thousands of entries per
+group and a code lying within a few ulps of a rounding boundary goes either way, so rows with
+a quantizer report ``exact_verify=False`` there (drafted and plain output agreed in every
+test; the caches differ by such flipped codes).
 
 Eviction. Once a row holds ``budget + slack`` entries per KV head (in its fullest layer,
 averaged over the heads for per-head layouts), every full-attention layer is evicted back to

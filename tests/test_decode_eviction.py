@@ -33,6 +33,67 @@ def _prompts():
     return [a, b]
 
 
+def decode_snapshots(model, prompts, strategies, new: int) -> tuple[list[Row], dict]:
+    """Decode ``prompts`` together with ``strategies`` (greedy) through a Batch, and after
+    the prefill and every step keep each row's cache entries: returns (the rows, with their
+    generated tokens and stats, {(row, logical length): [(keys, values, valid) per layer]}).
+    Asserts on the way that no step takes a row past its next cache event (eviction,
+    quantization)."""
+    plan = plan_strategies(list(strategies))
+    rows = [Row(prompt=p, plan=plan, max_new_tokens=new, eos=frozenset()) for p in prompts]
+    batch = Batch(model)
+    snaps: dict = {}
+
+    def keep():
+        for b, row in enumerate(batch.rows):
+            key = (rows.index(row), batch.cache.logical_lengths[b])
+            snaps[key] = [(batch.cache.keys(layer, b).clone(), batch.cache.values(layer, b).clone(),
+                           _valid(batch.cache, layer, b)) for layer in range(batch.cache.num_layers)]
+
+    with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
+        batch.admit(rows)
+        keep()
+        while batch.rows:
+            before = {id(r): (batch.cache.logical_lengths[b], _room(batch.cache, b, r.upkeep))
+                      for b, r in enumerate(batch.rows)}
+            batch.step()
+            for b, r in enumerate(batch.rows):
+                length, room = before[id(r)]
+                assert batch.cache.logical_lengths[b] - length <= room, (length, room)
+            keep()
+            batch.retire_done()
+    return rows, snaps
+
+
+def _room(cache, row: int, up) -> int:
+    """Tokens a row may commit before its cache has to change: until it holds budget + slack
+    entries per head (eviction), or until a group of loose entries fills (quantization)."""
+    room = 10**9
+    if up.compressor is not None:
+        room = up.budget + up.slack - max(cache.entries_per_head(layer, row) for layer in up.layers)
+    if up.quantizer is not None:
+        loose = max(cache.row_lengths(layer)[row] - up.quantized[layer] for layer in up.layers)
+        room = min(room, up.quantizer.group_size() - loose)
+    return room
+
+
+def _valid(cache, layer: int, row: int) -> torch.Tensor:
+    """[H_kv, n] validity of one row's entries (all True where the cache keeps no padding)."""
+    valid = cache.entry_valid(layer, row)
+    return valid if valid is not None else torch.ones(cache.keys(layer, row).shape[1:3], dtype=torch.bool)
+
+
+def assert_same_caches(drafted: dict, plain: dict) -> None:
+    """Every cache state the drafted run went through is the plain run's at the same length
+    (a drafted row's last step may accept tokens past its end, beyond what plain reached)."""
+    common = drafted.keys() & plain.keys()
+    assert len(common) >= len(drafted) - len({row for row, _ in drafted})
+    for key in common:
+        for (k, v, valid), (pk, pv, pvalid) in zip(drafted[key], plain[key]):
+            assert k.shape == pk.shape and torch.equal(valid, pvalid), key
+            assert torch.allclose(k, pk, atol=1e-5) and torch.allclose(v, pv, atol=1e-5), key
+
+
 def _head_counts(cache, layer: int, row: int) -> torch.Tensor:
     """Valid committed entries per KV head of one row and layer, [H_kv]."""
     valid = cache.entry_valid(layer, row)
@@ -100,22 +161,22 @@ SELECTORS = {
 
 @pytest.mark.parametrize("name", list(SELECTORS))
 def test_drafting_equals_plain_decoding_with_the_same_eviction(model, name):
+    """Tokens, and the caches too: at every length a drafted row reaches, its cache is the
+    one plain decoding had there (evicted at the same lengths, to the same entries)."""
     selector = SELECTORS[name]
-    prompts = _prompts()
-    new = 36
-    plain = accel.generate(model, prompts, strategies=[selector], max_new_tokens=new, eos_token_id=[])
-    lookup = accel.generate(model, prompts, strategies=[selector, PromptLookup(max_ngram=2, num_tokens=6)],
-                            max_new_tokens=new, eos_token_id=[])
-    garbage = accel.generate(model, prompts, strategies=[selector, Scripted(mode="random", size=5)],
-                             max_new_tokens=new, eos_token_id=[])
-    assert torch.equal(lookup.sequences, plain.sequences)
-    assert torch.equal(garbage.sequences, plain.sequences)
-    assert lookup.stats.accepted_tokens > 0 and garbage.stats.drafted_tokens > 0  # drafts were verified
-    # the cache was evicted: each row ends with at most budget + slack entries per head
-    for stats, prompt in zip(plain.row_stats, prompts):
-        full = stats.kv_bytes_full // (int(prompt.numel()) + new - 1)  # bytes of one token's entries
-        assert stats.kv_bytes_kept <= (12 + 4) * full * (2 if name == "ada_snapkv" else 1)
-        assert stats.kv_bytes_kept < stats.kv_bytes_full // 3
+    new = 32
+    plain, plain_caches = decode_snapshots(model, _prompts(), [selector], new)
+    for drafter in (PromptLookup(max_ngram=2, num_tokens=6), Scripted(mode="random", size=5)):
+        drafted, caches = decode_snapshots(model, _prompts(), [selector, drafter], new)
+        assert [r.generated for r in drafted] == [r.generated for r in plain]
+        assert sum(r.stats.accepted_tokens for r in drafted) > 0 or drafter.name == "scripted_test"
+        assert all(r.stats.drafted_tokens > 0 for r in drafted)
+        assert len(caches) < len(plain_caches) or drafter.name == "scripted_test"
+        assert_same_caches(caches, plain_caches)
+    for row in plain:  # evicted: a row ends with at most budget + slack entries per head
+        assert row.upkeep.evictions >= 3
+        per_token = row.stats.kv_bytes_full // (int(row.prompt.numel()) + new - 1)  # all layers' K and V
+        assert row.stats.kv_bytes_kept <= (12 + 4) * per_token * (2 if name == "ada_snapkv" else 1)
 
 
 def test_a_row_decodes_as_it_would_alone(model):
