@@ -44,6 +44,7 @@ __all__ = [
     "query_layout",
     "check_window_queries",
     "capture_window_queries",
+    "capture_step_queries",
     "per_layer_masks",
     "layer_windows",
     "query_groups",
@@ -513,6 +514,23 @@ def capture_window_queries(
             if pos_emb is not None:
                 pos_emb = tuple(_take_rows(p, idx) if p.shape[0] == hidden.shape[0] else p[:, idx[0]] for p in pos_emb)
         sink[module.layer_idx] = _window_queries(module, layout, hidden, pos_emb, window)
+        return None
+
+    with _pre_attention_hook(model, cache, hook):
+        yield
+
+
+@contextmanager
+def capture_step_queries(model: PreTrainedModel, cache: Cache, sink: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While active, each attention layer's queries of every new token of a forward that
+    carries ``cache`` land in ``sink[layer_idx]`` ([B, H_q, T, D], computed as
+    :func:`capture_window_queries` computes the prompt's): a decode step's queries, which
+    eviction during decoding scores with (:mod:`accel.maintenance`). Removed on exit."""
+    layouts = {_layer_index(m): query_layout(m, type(model).__name__) for m in _attention_modules(model)}
+
+    def hook(module, hidden, kwargs):
+        sink[module.layer_idx] = _window_queries(module, layouts[module.layer_idx], hidden,
+                                                 kwargs.get("position_embeddings"), hidden.shape[1])
         return None
 
     with _pre_attention_hook(model, cache, hook):

@@ -546,6 +546,57 @@ class SharedCache(TransformersCache):
         self._len[layer_idx] = [width] * bsz
         self._valid[layer_idx] = None if valid is None or bool(valid.all()) else valid.bool().clone()
 
+    def evict_row(self, layer_idx: int, row: int, indices: torch.Tensor, valid: torch.Tensor | None = None) -> None:
+        """Keep only ``indices`` [1, H_kv, K] (positions into row ``row``'s committed entries
+        of one layer, ascending per head) of that row; ``valid`` [1, H_kv, K] marks padding
+        (heads keeping fewer than K entries), masked out of attention. Other rows are left
+        as they are (eviction during decoding, :mod:`accel.maintenance`)."""
+        if self._pending[layer_idx]:
+            raise RuntimeError("evict_row() on a layer with uncommitted entries; commit() first")
+        if self.windows[layer_idx] is not None:
+            raise ValueError(f"evict_row() on sliding-window layer {layer_idx}: its window bounds it already")
+        keys, values = _gather(self.keys(layer_idx, row), self.values(layer_idx, row), indices)
+        width = indices.shape[2]
+        self._k[layer_idx][row, :, :width] = keys[0]
+        self._v[layer_idx][row, :, :width] = values[0]
+        self._len[layer_idx][row] = width
+        kept = self._valid[layer_idx]
+        if valid is not None and not bool(valid.all()):
+            if kept is None or kept.shape[2] < width:
+                grown = torch.ones((self._k[layer_idx].shape[0], indices.shape[1], width), dtype=torch.bool,
+                                   device=indices.device)
+                if kept is not None:
+                    grown[: kept.shape[0], :, : kept.shape[2]] = kept
+                self._valid[layer_idx] = kept = grown
+            kept[row] = True  # columns past a row's entries stay valid: new entries land there
+            kept[row, :, :width] = valid[0]
+        elif kept is not None:
+            kept[row] = True
+            if bool(kept.all()):
+                self._valid[layer_idx] = None
+
+    def rewrite(self, layer_idx: int, row: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace row ``row``'s committed entries of one layer at columns ``start ..
+        start + m - 1`` by ``keys``, ``values`` [1, H_kv, m, D] (their quantized form)."""
+        m = keys.shape[2]
+        if start < 0 or start + m > self._len[layer_idx][row]:
+            raise ValueError(f"rewrite() of columns {start}..{start + m - 1} beyond the row's "
+                             f"{self._len[layer_idx][row]} entries")
+        self._k[layer_idx][row, :, start : start + m] = keys[0]
+        self._v[layer_idx][row, :, start : start + m] = values[0]
+
+    def entries_per_head(self, layer_idx: int, row: int) -> int:
+        """Valid committed entries of one row and layer per KV head, averaged over the heads
+        (rounded up): the count a decode budget holds (heads of a per-head layout differ)."""
+        n = self._len[layer_idx][row]
+        valid = self._valid[layer_idx]
+        if valid is None or not n:
+            return n
+        w = min(n, valid.shape[2])
+        heads = valid.shape[1]
+        total = int(valid[row, :, :w].sum()) + heads * (n - w)
+        return -(-total // heads)
+
     def extend(self, other: "SharedCache") -> None:
         """Append the rows of ``other`` (a cache of the same model, nothing uncommitted)."""
         if other.num_layers != self.num_layers or other.windows != self.windows:

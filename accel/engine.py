@@ -15,6 +15,7 @@ would be alone. Plain decoding is the same loop with root-only trees.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from . import adapter
+from . import adapter, maintenance
 from .calibration import calibrate
 from .kernels import invariance
 from .acceptance import Acceptance
@@ -206,6 +207,7 @@ class Row:
     misses: float = 1.0
     draft_cost: DraftCost = field(default_factory=DraftCost)
     drafted_steps: int = 0  # steps in which this row verified drafts (the slow start of draft_budgets)
+    upkeep: maintenance.Upkeep | None = None  # eviction / quantization during decoding (accel.maintenance)
 
     @property
     def acceptance_rate(self) -> float:
@@ -322,9 +324,17 @@ class Batch:
         whole = [r for r, ok in zip(rows, reusable) if not ok]
         rest = [(r, m) for r, ok, m in zip(rows, reusable, matches) if ok]
         parts: list[tuple[list[Row], SharedCache, torch.Tensor]] = []
+        latest: dict[int, dict[int, torch.Tensor]] = {}  # id(row) -> its last prompt queries, for eviction
         if whole:
             fresh = SharedCache(self.geo.num_layers, self.windows)
-            hidden = prefill(self.model, fresh, [r.prompt for r in whole], [r.plan.compressor for r in whole])
+            captured: dict[int, torch.Tensor] = {}
+            hidden = prefill(self.model, fresh, [r.prompt for r in whole], [r.plan.compressor for r in whole],
+                             captured)
+            for b, r in enumerate(whole):
+                c = r.plan.compressor
+                if c is not None and c.decode_limit() is not None and c.decode_window():
+                    latest[id(r)] = maintenance.prompt_queries(captured, b, int(r.prompt.numel()), c.decode_window())
+            del captured
             parts.append((whole, fresh, hidden))
         if rest:
             fresh = SharedCache(self.geo.num_layers, self.windows)
@@ -343,7 +353,9 @@ class Batch:
             acc = accept(root, logits[b : b + 1], row.warp, row.plan.rule, row.generator, top=[top[b]])
             row.stats.prompt_tokens = int(row.prompt.numel())
             row.stats.prefill_s = elapsed
-            row.stats.exact_verify = self.exact
+            # a quantized cache rounds entries: exact only where verify passes compute them bit for bit
+            # as plain steps do (ordered attention); float32 agrees to a few ulps (accel.maintenance)
+            row.stats.exact_verify = self.exact and (row.plan.quantizer is None or self.cache.ordered)
             row.tokens = torch.cat([row.prompt, row.prompt.new_tensor([acc.next_token])])
             row.hidden = hidden[b] if row.plan.needs_hidden else None
             row.emit([acc.next_token])
@@ -355,7 +367,11 @@ class Batch:
                     if self._reuses(row):
                         self.prefixes.add(row.prompt, fresh, b)
             self.cache.extend(fresh)
+        first = len(self.rows)
         self.rows.extend(rows)
+        for i, row in enumerate(rows):
+            row.upkeep = maintenance.start(row.plan.compressor, row.plan.quantizer, self.cache, first + i,
+                                           latest.get(id(row)))
 
     def _share_within(self, rows: list[Row]) -> None:
         """When admitted prompts share a prefix the store does not hold (a burst of requests
@@ -381,7 +397,7 @@ class Batch:
 
     def _reuses(self, row: Row) -> bool:
         """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.serving.prefix`)."""
-        return self._prefix_model and row.plan.compressor is None
+        return self._prefix_model and row.plan.compressor is None and row.plan.quantizer is None
 
     def budgets(self) -> list[int]:
         """Draft nodes each live row may propose this step (see :func:`draft_budgets`)."""
@@ -400,15 +416,24 @@ class Batch:
         """One verify forward for every live row; returns each row's newly emitted tokens."""
         rows = self.rows
         t0 = time.perf_counter()
+        lengths = list(self.cache.logical_lengths)
+        budgets = [row.upkeep.draft_room(n, k) if row.upkeep is not None else k
+                   for row, n, k in zip(rows, lengths, self.budgets())]  # no step verifies past a cache change
         ctxs = [DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
-                             generator=row.generator) for row, budget in zip(rows, self.budgets())]
+                             generator=row.generator) for row, budget in zip(rows, budgets)]
         drafted, draft_s, errors = draft_rows([r.plan for r in rows], [r.states for r in rows], ctxs)
         trees, sources = [t for t, _ in drafted], [s for _, s in drafted]
         for row, err in zip(rows, errors):
             if err is not None:  # one request's drafter failed: that request ends, the batch goes on
                 row.error = err
-        hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
-                                       self.min_nodes)
+        captured: dict[int, torch.Tensor] | None = None  # this step's queries, when an eviction will score with them
+        if any(r.upkeep is not None and r.upkeep.wants_queries(n, k) for r, n, k in zip(rows, lengths, budgets)):
+            captured = {}
+        tap = adapter.capture_step_queries(self.model, self.cache, captured) if captured is not None \
+            else contextlib.nullcontext()
+        with tap:
+            hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
+                                           self.min_nodes)
         counts = [tree.num_nodes for tree in trees]
         greedy = [row.warp is None for row in rows]
         top = logits.argmax(dim=-1).tolist() if any(greedy) else None
@@ -420,6 +445,15 @@ class Batch:
             accs.append(acc)
             start = end
         commit(self.cache, accs)
+        for b, (row, acc) in enumerate(zip(rows, accs)):
+            up = row.upkeep
+            if up is None:
+                continue
+            if captured:
+                up.record(captured, b, acc.path, lengths[b])
+            event = up.next_event
+            if event is not None and self.cache.logical_lengths[b] >= event:
+                up.run(self.cache, b)
         elapsed = time.perf_counter() - t0
         self._judge(trees, accs, elapsed)
         for b, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
@@ -459,7 +493,7 @@ class Batch:
         i = next(i for i, r in enumerate(self.rows) if r is row)
         s = row.stats
         s.new_tokens = len(row.generated)
-        s.kv_bytes_kept = self.cache.kept_bytes(i)
+        s.kv_bytes_kept = row.upkeep.kept_bytes(self.cache, i) if row.upkeep is not None else self.cache.kept_bytes(i)
         s.kv_bytes_full = self.geo.entry_bytes() * self.cache.logical_lengths[i]
         self.cache.remove(i)
         for drafter, state in zip(row.plan.drafters, row.states):

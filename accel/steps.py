@@ -25,12 +25,16 @@ Warp = Callable[[torch.Tensor], torch.Tensor]
 
 
 def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
-            compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None) -> torch.Tensor:
+            compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
+            queries: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """Run B prompts through the model in one forward, filling (and compressing) an empty cache.
 
     prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
         internally; padding is never stored and never scored).
     compressors: one compressor for every row, or one (or None) per row.
+    queries: a dict that receives, per layer, the trailing prompt queries the compressors
+        scored with, [B, H_q, w, D] (row b's last prompt query at index w - 1; w the largest
+        observation window), for eviction during decoding to start from.
     Returns the final hidden state at each row's last prompt position, [B, H].
     """
     rows = _prompt_rows(prompts)
@@ -48,7 +52,7 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
         mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
     windows = [c.observation_window(length) if c is not None else 0 for c, length in zip(compressors, lengths)]
     window = max(windows)
-    queries: dict[int, torch.Tensor] = {}
+    queries = {} if queries is None else queries
 
     def select(layer: int, row: int, keys: torch.Tensor, values: torch.Tensor):
         compressor = compressors[row]

@@ -14,6 +14,7 @@ The decode loop never uses ``isinstance`` on strategies; it reads capability fla
 - ``drafts``: the strategy proposes draft trees for verification (:class:`Drafter`).
 - ``needs_hidden``: the drafter wants the verifier's last hidden state (Medusa heads).
 - ``accepts``: the strategy replaces the acceptance rule (:class:`AcceptanceRule`).
+- ``quantizes_kv``: the strategy quantizes the entries a row keeps (:class:`KVQuantizer`).
 
 A request's strategies, sorted by capability, are its :class:`Plan` (:func:`plan_strategies`).
 """
@@ -36,6 +37,7 @@ __all__ = [
     "DraftContext",
     "DraftProposal",
     "AcceptanceRule",
+    "KVQuantizer",
     "REGISTRY",
     "register",
     "build_strategy",
@@ -60,6 +62,7 @@ class Strategy(BaseModel):
     drafts: ClassVar[bool] = False
     needs_hidden: ClassVar[bool] = False
     accepts: ClassVar[bool] = False
+    quantizes_kv: ClassVar[bool] = False
 
     def spec(self) -> dict[str, Any]:
         """The mapping this strategy is rebuilt from: ``build_strategy(s.spec()) == s``."""
@@ -105,6 +108,33 @@ class PromptCompressor(Strategy):
 
         queries: [B, H_q, w, D] trailing prompt queries (post-RoPE), or None if w == 0.
         keys, values: [B, H_kv, L, D] the layer's full prompt KV (post-RoPE keys).
+        """
+        raise NotImplementedError
+
+    # Eviction during decoding (see :mod:`accel.maintenance`): a selector that keeps the
+    # cache bounded as generation goes on overrides these three.
+
+    def decode_limit(self) -> tuple[int, int] | None:
+        """(budget, slack) of eviction during decoding: once a row holds ``budget + slack``
+        entries per KV head, :meth:`evict` brings it back to ``budget``. None (the default):
+        only the prompt is compressed, the cache grows with the generation."""
+        return None
+
+    def decode_window(self) -> int:
+        """How many of a row's latest tokens' queries :meth:`evict` scores with (0: none)."""
+        return 0
+
+    def evict(self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+              valid: torch.Tensor | None) -> Selection | None:
+        """Entries one row keeps of one layer during decoding, or None to keep all.
+
+        keys, values: [1, H_kv, n, D] the row's committed entries, oldest first.
+        valid: [1, H_kv, n] False where an entry is padding of a per-head layout (heads that
+            keep different counts), or None when every entry is real.
+        queries: [1, H_q, w, D] the queries of the row's latest w tokens (post-RoPE, oldest
+            first, w <= :meth:`decode_window`), or None when the window is 0. The entries of
+            those tokens are the last w valid entries of every head.
+        Returns a :class:`Selection` over the n entries (indices ascending per head).
         """
         raise NotImplementedError
 
@@ -199,6 +229,34 @@ class Drafter(Strategy):
     def feedback(self, state: Any, proposed: int, accepted: int) -> None:
         """After each verify step: how many of this drafter's nodes were proposed, and how
         many of the accepted tokens (bonus excluded) came from them."""
+
+
+class KVQuantizer(Strategy):
+    """Quantizes the entries a row keeps, a group of tokens at a time (see
+    :mod:`accel.maintenance`): after the prefill every full group of the kept prompt entries,
+    then each group of generated entries as it fills; the newest entries stay in full
+    precision until their group fills. The cache holds the dequantized numbers (attention is
+    unchanged); :meth:`group_bytes` is what a packed store holds for a group."""
+
+    quantizes_kv: ClassVar[bool] = True
+
+    def group_size(self) -> int:
+        """Tokens quantized together (G)."""
+        raise NotImplementedError
+
+    def check_geometry(self, num_kv_heads: int, head_dim: int) -> None:
+        """Raise a ValueError naming the field if the quantizer cannot serve a cache of this
+        shape (called before the prefill). The default accepts every shape."""
+
+    def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values: [R, H_kv, G, D] one group of R rows -> their dequantized
+        reconstructions, same shape and dtype."""
+        raise NotImplementedError
+
+    def group_bytes(self, num_kv_heads: int, head_dim: int, element_size: int) -> int:
+        """Bytes a packed store holds for one quantized group of one row and layer, keys and
+        values together (codes, scales, zero points, and whatever else the method keeps)."""
+        raise NotImplementedError
 
 
 class AcceptanceRule(Strategy):
@@ -307,6 +365,7 @@ class Plan:
     compressor: PromptCompressor | None
     drafters: tuple[Drafter, ...]
     rule: Strategy | None  # an AcceptanceRule, or None for greedy / lossless sampling
+    quantizer: KVQuantizer | None = None  # quantizes what the row keeps (after the compressor)
 
     @property
     def needs_hidden(self) -> bool:
@@ -320,22 +379,32 @@ class Plan:
         return tuple(_spec_string(d) for d in self.drafters)
 
     def check(self, model: Any) -> None:
-        """Let every drafter refuse the model before any prefill work (clear ValueErrors)."""
+        """Let every drafter, and the quantizer, refuse the model before any prefill work
+        (clear ValueErrors)."""
+        if self.quantizer is not None:
+            from .adapter import geometry
+
+            geo = geometry(model)
+            self.quantizer.check_geometry(geo.num_kv_heads, geo.head_dim)
         for d in self.drafters:
             d.check(model)
 
 
 def plan_strategies(strategies: list[Strategy]) -> Plan:
-    """Sort one request's strategies by capability: at most one prompt compressor and one
-    acceptance rule, any number of drafters (in the order given)."""
+    """Sort one request's strategies by capability: at most one prompt compressor, one KV
+    quantizer and one acceptance rule, any number of drafters (in the order given)."""
     compressors = [s for s in strategies if s.compresses_prompt]
     rules = [s for s in strategies if s.accepts]
+    quantizers = [s for s in strategies if s.quantizes_kv]
+    if len(quantizers) > 1:
+        raise ValueError(f"at most one KV quantizer per call, got {[s.name for s in quantizers]}")
     if len(compressors) > 1:
         raise ValueError(f"at most one prompt compressor per call, got {[s.name for s in compressors]}")
     if len(rules) > 1:
         raise ValueError(f"at most one acceptance rule per call, got {[s.name for s in rules]}")
     drafters = tuple(s for s in strategies if s.drafts)
-    return Plan(compressors[0] if compressors else None, drafters, rules[0] if rules else None)
+    return Plan(compressors[0] if compressors else None, drafters, rules[0] if rules else None,
+                quantizers[0] if quantizers else None)
 
 
 def _spec_string(drafter: Drafter) -> str:

@@ -1,10 +1,13 @@
 """SnapKV prompt compression and its variants/baselines, as ``accel`` prompt compressors.
 
-Importing the package registers ``snapkv``, ``ada_snapkv``, ``streaming_llm`` and ``h2o``.
+Importing the package registers the selectors ``snapkv``, ``ada_snapkv``, ``streaming_llm``
+and ``h2o`` (each with ``decode_budget=`` for eviction during decoding) and ``gear``, which
+quantizes what a selector keeps.
 """
 
 from .ada import AdaSnapKV
 from .base import ScoredCompressor
+from .gear import GEAR
 from .h2o import H2O
 from .scoring import pool_scores, prefix_scores, reduce_gqa, select_topk, snapkv_indices, window_scores
 from .snapkv import SnapKV
@@ -15,6 +18,7 @@ __all__ = [
     "AdaSnapKV",
     "StreamingLLM",
     "H2O",
+    "GEAR",
     "ScoredCompressor",
     "window_scores",
     "pool_scores",

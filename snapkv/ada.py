@@ -27,6 +27,12 @@ class AdaSnapKV(SnapKV):
 
     Rows are padded to the largest per-head count: ``Selection.valid`` marks the real
     entries, padding repeats the row's last valid index (so indices stay ascending).
+
+    During decoding (``decode_budget``) the same sharing runs on SnapKV's decode-time scores
+    (:meth:`SnapKV.decode_score`): a row keeps ``decode_budget * H_kv`` entries per layer in
+    all, each head its latest ``window`` plus its own top ``floor(alpha * (decode_budget -
+    window))``, the rest by one top-k over all heads. ``decode_budget`` bounds the entries
+    per KV head on average; one head may hold more.
     """
 
     name: ClassVar[str] = "ada_snapkv"
@@ -63,3 +69,24 @@ class AdaSnapKV(SnapKV):
         last_valid = indices.gather(-1, (valid.sum(-1, keepdim=True) - 1).clamp(min=0))
         indices = torch.where(valid, indices, last_valid)
         return Selection(indices, valid)
+
+    def decode_choose(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """scores [B, H_kv, n] (+inf pinned, -inf padding) -> keep [B, H_kv, n]: the pinned
+        entries, each head's top ``floor`` candidates, then one top-k over all heads' other
+        candidates for the rest of ``budget * H_kv``."""
+        bsz, h_kv, n = scores.shape
+        first, last = self.decode_kept()
+        per_head = budget - first - last
+        floor = int(self.alpha * per_head)
+        pinned = scores == float("inf")
+        ranked, order = scores.masked_fill(pinned, float("-inf")).sort(dim=-1, descending=True, stable=True)
+        finite = ranked > float("-inf")  # candidates, best first per head
+        own = finite & (torch.arange(n, device=scores.device) < floor)  # [B, H, n] in ranked order
+        rest = ranked.masked_fill(own, float("-inf")).reshape(bsz, h_kv * n)
+        chosen = own.reshape(bsz, h_kv * n).clone()
+        for b in range(bsz):
+            k = min(h_kv * per_head - int(own[b].sum()), int((rest[b] > float("-inf")).sum()))
+            if k > 0:
+                chosen[b, rest[b].topk(k).indices] = True
+        keep = torch.zeros_like(pinned).scatter_(-1, order, chosen.reshape(bsz, h_kv, n))
+        return keep | pinned

@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 from accel.strategy import register
 
 from .base import ScoredCompressor
-from .scoring import reduce_gqa, window_scores
+from .scoring import decode_votes, reduce_gqa, window_scores
 
 __all__ = ["H2O"]
 
@@ -27,6 +27,12 @@ class H2O(ScoredCompressor):
 
     The accumulated score favours early positions (they are seen by more queries); that is
     H2O's own bias, kept on purpose as a baseline.
+
+    During decoding (``decode_budget``) each head keeps its latest ``recent`` entries (half
+    of ``decode_budget`` by default) and the rest of the budget goes to the entries that the
+    row's latest ``decode_queries`` queries attend to most. The paper accumulates every
+    query's attention from the start; accel scores with a window of recent queries, captured
+    only before each eviction, so decoding pays nothing per token for it.
     """
 
     name: ClassVar[str] = "h2o"
@@ -41,6 +47,9 @@ class H2O(ScoredCompressor):
     """How the scores of the query heads sharing one KV head are combined."""
     chunk: int = Field(256, gt=0)
     """Prompt queries scored at a time (peak memory [B, H_q, chunk, L] float32)."""
+    decode_queries: int = Field(32, gt=0)
+    """Latest queries whose attention scores the entries when a row is evicted during
+    decoding (``decode_budget``); at most the recent entries kept."""
 
     @model_validator(mode="after")
     def _recent_fits_budget(self) -> H2O:
@@ -50,6 +59,21 @@ class H2O(ScoredCompressor):
 
     def observation_window(self, prompt_len: int) -> int:
         return prompt_len
+
+    def decode_window(self) -> int:
+        return self.decode_queries
+
+    def decode_kept(self) -> tuple[int, int]:
+        budget = self.decode_budget or 0
+        return 0, budget // 2 if self.recent is None else min(self.recent, budget)
+
+    def decode_score(self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+        """Attention the latest queries give each kept entry, summed and reduced over each
+        query group: [1, H_kv, n] float32."""
+        if queries is None:
+            raise ValueError("H2O's eviction needs the latest queries")
+        return reduce_gqa(decode_votes(queries, keys, valid), keys.shape[1], self.gqa)
 
     def always_kept(self, prompt_len: int, budget: int) -> tuple[int, int]:
         recent = budget // 2 if self.recent is None else min(self.recent, budget)

@@ -28,6 +28,8 @@ __all__ = [
     "select_topk",
     "prefix_scores",
     "snapkv_indices",
+    "decode_votes",
+    "head_ranks",
 ]
 
 Pooling = Literal["max", "avg"]
@@ -184,3 +186,48 @@ def snapkv_indices(
     top = select_topk(scores, budget - window)  # [B, H_kv, budget - w], all < L - w
     tail = torch.arange(length - window, length, device=keys.device).expand(bsz, h_kv, window)
     return torch.cat([top, tail], dim=-1)
+
+
+def head_ranks(valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank of each entry among its head's valid entries, and each head's count.
+
+    valid: BoolTensor [B, H_kv, n]. returns (ranks [B, H_kv, n] long, 1-based for valid
+    entries (0 before the first), counts [B, H_kv, 1] long).
+    """
+    ranks = valid.long().cumsum(-1)
+    return ranks, ranks[..., -1:]
+
+
+def decode_votes(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    valid: torch.Tensor | None = None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention each kept entry receives from a row's latest w queries during decoding.
+
+    queries: [B, H_q, w, D] the latest w tokens' queries, oldest first; their entries are
+        the last w valid entries of every KV head, so query i sees the entries of its head up
+        to rank ``count - w + i + 1`` (causal inside the window, as :func:`window_scores`).
+    keys: [B, H_kv, n, D] the row's kept entries; valid: [B, H_kv, n] or None (all valid).
+    returns: [B, H_q, n] float32, the softmax weights summed over the w queries; padding
+        scores 0.
+    """
+    bsz, h_q, w, dim = queries.shape
+    h_kv, n = keys.shape[1], keys.shape[2]
+    if h_q % h_kv:
+        raise ValueError(f"query heads ({h_q}) must be a multiple of KV heads ({h_kv})")
+    if valid is None:
+        valid = torch.ones((bsz, h_kv, n), dtype=torch.bool, device=keys.device)
+    ranks, counts = head_ranks(valid)
+    if bool((counts < w).any()):
+        raise ValueError(f"{w} window queries but a head keeps only {int(counts.min())} entries")
+    groups = h_q // h_kv
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    q = queries.float().reshape(bsz, h_kv, groups, w, dim)
+    logits = q @ keys.float().unsqueeze(2).transpose(-1, -2) * scale  # [B, H_kv, G, w, n]
+    limit = counts - w + 1 + torch.arange(w, device=keys.device)  # [B, H_kv, w]: highest rank query i sees
+    seen = valid.unsqueeze(2) & (ranks.unsqueeze(2) <= limit.unsqueeze(-1))  # [B, H_kv, w, n]
+    logits = logits.masked_fill(~seen.unsqueeze(2), float("-inf"))
+    return logits.softmax(dim=-1).sum(dim=-2).reshape(bsz, h_q, n)

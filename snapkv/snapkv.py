@@ -11,7 +11,7 @@ from pydantic import Field, field_validator, model_validator
 from accel.strategy import register
 
 from .base import ScoredCompressor
-from .scoring import prefix_scores
+from .scoring import decode_votes, pool_scores, prefix_scores, reduce_gqa
 
 __all__ = ["SnapKV"]
 
@@ -41,6 +41,11 @@ class SnapKV(ScoredCompressor):
     Budget: exactly one of ``budget`` (entries per KV head, window included) and ``ratio``
     (fraction of the prompt). ``SnapKV(ratio=0.25)`` alone is fine; with neither given the
     default budget of 1024 applies. Under ``ratio`` the budget never drops below the window.
+
+    During decoding (``decode_budget``) the same recipe runs on what a row keeps: the queries
+    of its latest ``window`` tokens (captured as they are decoded, the prompt's own window
+    to begin with) vote over its kept entries, the votes are pooled and reduced alike, and
+    each head keeps those latest ``window`` entries plus the top ``decode_budget - window``.
     """
 
     name: ClassVar[str] = "snapkv"
@@ -73,6 +78,27 @@ class SnapKV(ScoredCompressor):
                 "the budget includes the window"
             )
         return self
+
+    @model_validator(mode="after")
+    def _decode_budget_exceeds_window(self) -> SnapKV:
+        if self.decode_budget is not None and self.decode_budget <= self.window:
+            raise ValueError(
+                f"decode_budget ({self.decode_budget}) must be greater than window ({self.window}): "
+                "the budget includes the latest window entries"
+            )
+        return self
+
+    def decode_window(self) -> int:
+        return self.window
+
+    def decode_score(self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor,
+                     valid: torch.Tensor) -> torch.Tensor:
+        """The latest ``window`` queries' votes over the kept entries, pooled and reduced:
+        [1, H_kv, n] float32."""
+        if queries is None:
+            raise ValueError("SnapKV's eviction needs the latest queries")
+        votes = decode_votes(queries, keys, valid)  # [1, H_q, n]
+        return reduce_gqa(pool_scores(votes, self.kernel, self.pooling), keys.shape[1], self.gqa)
 
     def observation_window(self, prompt_len: int) -> int:
         return min(self.window, prompt_len)

@@ -1,0 +1,125 @@
+"""GEAR quantized KV: the quantizer on hand-made groups, the cache holding quantized groups and
+a full-precision tail, honest byte counts, exact drafting on the quantized cache, bad values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import accel
+from accel import adapter
+from accel.cache import SharedCache
+from accel.engine import Batch, Row, plan_strategies
+from accel.strategy import StrategyError, build_strategy
+from accel.steps import prefill
+from helpers import TINY_VOCAB, make_tiny_model
+from snapkv import GEAR, SnapKV
+from snapkv.gear import quantize_group
+from speculative import PromptLookup
+from test_decode_eviction import decode_snapshots
+from test_speculative import Scripted
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model(seed=31)
+
+
+def _prompts():
+    base = torch.randint(2, TINY_VOCAB, (11,), generator=torch.Generator().manual_seed(8))
+    return [base.repeat(4), base[:6].repeat(5)]
+
+
+def test_plain_quantization_is_per_channel_for_keys_and_per_token_for_values():
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 16, 8) * torch.linspace(0.1, 5, 8)  # channels of very different ranges
+    keys = quantize_group(x, bits=2, rank=0, outliers=0, per_channel=True)
+    values = quantize_group(x, bits=2, rank=0, outliers=0, per_channel=False)
+    for c in range(8):  # 2 bits: at most 4 levels per channel (keys) ...
+        assert keys[0, 0, :, c].unique().numel() <= 4
+    for t in range(16):  # ... and per token (values)
+        assert values[0, 0, t].unique().numel() <= 4
+    span = x.amax(dim=-2, keepdim=True) - x.amin(dim=-2, keepdim=True)
+    assert bool(((keys - x).abs() <= span / 3 / 2 * 1.01 + 1e-3).all())  # within half a step
+    assert keys.dtype == x.dtype and keys.shape == x.shape
+
+
+def test_low_rank_and_outliers_repair_the_quantization_error():
+    torch.manual_seed(1)
+    x = torch.randn(1, 2, 32, 16)
+    x[0, 0, 5, 3] = 40.0  # an outlier that would stretch its channel's range
+    err = {cfg: float((quantize_group(x, 2, *cfg, per_channel=True) - x).norm())
+           for cfg in [(0, 0), (4, 0), (0, 8), (4, 8)]}
+    assert err[(4, 0)] < err[(0, 0)] and err[(0, 8)] < err[(0, 0)] and err[(4, 8)] < min(err[(4, 0)], err[(0, 8)])
+    kept = quantize_group(x, 2, 4, 8, per_channel=True)
+    assert float(kept[0, 0, 5, 3]) == 40.0  # the outlier is exact
+
+
+def test_the_cache_holds_quantized_groups_and_a_full_precision_tail(model):
+    """After the prefill: full groups quantized in every layer, the newest entries exact."""
+    gear = GEAR(bits=4, group=8, rank=0, outliers=0)
+    prompt = _prompts()[0]  # 44 tokens: 5 groups of 8 and a tail of 4
+    plan = plan_strategies([gear])
+    batch = Batch(model)
+    reference = SharedCache(2)
+    with torch.inference_mode(), adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache):
+        batch.admit([Row(prompt=prompt, plan=plan, max_new_tokens=4, eos=frozenset())])
+        prefill(model, reference, prompt.unsqueeze(0))
+    for layer in range(2):
+        got, full = batch.cache.keys(layer), reference.keys(layer)
+        assert torch.equal(got[:, :, 40:], full[:, :, 40:])  # the tail waits for its group to fill
+        assert not torch.equal(got[:, :, :40], full[:, :, :40])
+        groups = got[0, :, :40].reshape(2, 5, 8, 16)  # [H, groups, G, D]
+        for h in range(2):
+            for g in range(5):
+                for c in range(16):
+                    assert groups[h, g, :, c].unique().numel() <= 16
+        assert torch.allclose(got[:, :, :40], full[:, :, :40], atol=0.25)
+
+
+def test_kept_bytes_count_the_packed_groups_and_the_full_tail(model):
+    gear = GEAR(bits=4, group=8, rank=2, outliers=0.05)
+    prompt = _prompts()[0]  # 44 tokens + 10 fed = 54 entries: 6 groups of 8 and 6 exact
+    res = accel.generate(model, prompt.unsqueeze(0), strategies=[gear], max_new_tokens=11, eos_token_id=[])
+    per_entry = 2 * 2 * 16 * 4  # (K, V) * KV heads * head_dim * float32, one layer
+    group = (2 * 2 * 8 * 16 * 4 // 8  # codes
+             + 2 * 2 * 16 * 2 + 2 * 2 * 8 * 2  # key scales / zeros per channel, value ones per token
+             + 2 * 2 * 2 * (8 + 16) * 2  # rank-2 factors of keys and values
+             + 2 * 2 * 7 * (4 + 2))  # ceil(0.05 * 128) = 7 outliers of keys and values: value + index
+    assert gear.group_bytes(2, 16, 4) == group
+    assert res.stats.kv_bytes_kept == 2 * (6 * group + 6 * per_entry)  # 2 layers
+    assert res.stats.kv_bytes_full == 54 * 2 * per_entry
+
+
+@pytest.mark.parametrize("strategies", [
+    [GEAR(group=8)],
+    [SnapKV(budget=20, window=4, kernel=3, decode_budget=14, decode_slack=4), GEAR(bits=2, group=8, rank=1)],
+], ids=["gear", "snapkv_decode_budget+gear2"])
+def test_drafting_equals_plain_decoding_on_the_quantized_cache(model, strategies):
+    """Greedy drafting gives plain decoding's tokens on the quantized cache, batch of 2: a
+    group is quantized at the same length in both, as no step verifies tokens past the
+    length where the next group fills (decode_snapshots asserts it)."""
+    new = 30
+    plain, _ = decode_snapshots(model, _prompts(), strategies, new)
+    for drafter in (PromptLookup(max_ngram=2, num_tokens=6), Scripted(mode="random", size=5)):
+        drafted, caches = decode_snapshots(model, _prompts(), strategies + [drafter], new)
+        assert [r.generated for r in drafted] == [r.generated for r in plain]
+        assert all(r.stats.drafted_tokens > 0 for r in drafted)
+        assert sum(r.stats.accepted_tokens for r in drafted) > 0 or drafter.name == "scripted_test"
+        # float32 verify passes agree with plain steps to a few ulps, which can round a code
+        # the other way: not claimed exact (bit-identical low-precision verification is)
+        assert not any(r.stats.exact_verify for r in drafted)
+    for row in plain:
+        assert row.stats.kv_bytes_kept < row.stats.kv_bytes_full // 2
+        assert all(q > 0 for q in row.upkeep.quantized.values())
+
+
+def test_bad_gear_values_name_the_field(model):
+    with pytest.raises(StrategyError, match="bits"):
+        build_strategy({"name": "gear", "bits": 3})
+    with pytest.raises(StrategyError, match="rank"):
+        build_strategy("gear:group=8,rank=9")
+    with pytest.raises(ValueError, match="rank"):  # the tiny model's heads have 16 dimensions
+        accel.generate(model, _prompts()[0].unsqueeze(0), strategies=[GEAR(rank=17)], max_new_tokens=2)
+    with pytest.raises(ValueError, match="one KV quantizer"):
+        accel.generate(model, _prompts()[0].unsqueeze(0), strategies=[GEAR(), GEAR(bits=2)], max_new_tokens=2)
