@@ -12,7 +12,7 @@ from accel.calibration import calibrate, timing
 from accel.cli import main
 from accel.calibration.cost_model import (CostTable, DraftGuard, acceptance_gains, allocate_drafts, chosen_kernels, in_window,
                                split_rows, static_table, weight_layout)
-from accel.kernels.cpu import PackedLinear, is_prepacked, is_transposed, prepack, prepack_available
+from accel.kernels.cpu import PackedLinear, is_prepacked, is_transposed, prepack, prepack_supported
 from accel.models import _prepacked, load_model
 from helpers import make_tiny_model
 
@@ -350,14 +350,14 @@ def test_calibration_off_gives_static_defaults_without_measuring(calib_cache, mo
 def test_a_real_measurement_on_a_tiny_model(one_thread, packed):
     model = make_tiny_model()
     if packed:
-        if not prepack_available():
+        if not prepack_supported():
             pytest.skip("no oneDNN packing")
         prepack(model)
     t = timing.measure(model, tokens=(1, 4), cache_lens=(16, 600), repeats=2)
     assert t.measured and t.tokens == (1, 4) and t.kernel_tokens == t.tokens and t.seconds > 0
     assert t.cache_lens == (16, 512 - 4)  # capped to the model's 512 positions
     assert all(x > 0 for row in t.ms for x in row)
-    assert set(t.kernel_ms) == ({"plain", "transposed", "packed", "split"} if prepack_available()
+    assert set(t.kernel_ms) == ({"plain", "transposed", "packed", "split"} if prepack_supported()
                                 else {"plain", "transposed"})
     # the grid holds, token count by token count, the time of the kernels the choice picks
     for ti, n in enumerate(t.tokens):
@@ -402,7 +402,7 @@ def test_cost_table_measures_for_real_into_the_cache(calib_cache, one_thread):
 # ---------------------------------------------------------------------------- decisions
 
 
-@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
+@pytest.mark.skipif(not prepack_supported(), reason="no oneDNN packing")
 @pytest.mark.parametrize("wins, window", [((), None), ((1, 8, 64), (1, None)), ((8,), (8, 8)), ((8, 64), (8, None))])
 def test_auto_prepack_follows_the_table(calib_cache, monkeypatch, tmp_path, wins, window):
     monkeypatch.setattr(timing, "measure", fake_measure(packed=wins))
@@ -431,7 +431,7 @@ def test_auto_kernels_store_weights_transposed_where_that_measured_faster(calib_
     assert is_transposed(model) == transposed
     # packed where packing beats the layout chosen: at 64 tokens (1 ms) against plain's and transposed's 1-3 ms
     windows = {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)}
-    assert windows == ({(64, None)} if transposed_ms > 1.0 and prepack_available() else set())
+    assert windows == ({(64, None)} if transposed_ms > 1.0 and prepack_supported() else set())
     ids = torch.tensor([[4, 8, 15, 16, 23]])
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
@@ -466,7 +466,7 @@ def test_measured_grid_is_made_non_decreasing():
     assert _monotone([[5.0, 4.0, 6.0], [3.0, 7.0, 6.5]]) == ((5.0, 5.0, 6.0), (5.0, 7.0, 7.0))
 
 
-@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
+@pytest.mark.skipif(not prepack_supported(), reason="no oneDNN packing")
 @pytest.mark.parametrize("start_packed", [False, True])
 def test_linear_kernels_switches_and_restores(start_packed):
     model = make_tiny_model(seed=3)
@@ -692,7 +692,7 @@ def test_split_kernels_take_the_fewest_tokens_where_they_beat_every_other_choice
     assert zen3.run_with(False, None).ms == (plain,)
 
 
-@pytest.mark.skipif(not prepack_available(), reason="no oneDNN packing")
+@pytest.mark.skipif(not prepack_supported(), reason="no oneDNN packing")
 @pytest.mark.parametrize("split, expected", [((), 0), ((1,), 1), ((1, 8), 8), ((8,), 0)])
 def test_auto_prepack_applies_the_split_window_of_the_table(calib_cache, monkeypatch, split, expected):
     from accel.calibration.calibrate import step_costs

@@ -6,14 +6,23 @@ import pytest
 import torch
 from torch import nn
 
-from accel.kernels.cpu import PackedLinear, is_prepacked, prepack, prepack_available
+from accel.kernels.cpu import PackedLinear, is_prepacked, prepack, prepack_available, prepack_supported
 from helpers import make_tiny_model
 
-pytestmark = pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN linear packing")
+pytestmark = pytest.mark.skipif(not prepack_supported(), reason="this torch build has no oneDNN linear packing")
 
 
 def _prompt(seed: int, n: int) -> torch.Tensor:
     return torch.randint(2, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_where_the_build_has_the_packed_kernel_accel_uses_it(dtype):
+    # the skips above ask whether oneDNN's ops exist here; whether accel packs asks also whether
+    # they give F.linear's numbers: a kernel that gives wrong numbers fails here, it skips nothing
+    if not prepack_supported(dtype):
+        pytest.skip(f"this CPU or build cannot pack {dtype} weights")
+    assert prepack_available(dtype)
 
 
 def test_prepack_swaps_every_linear_and_keeps_parameters_and_ties():
@@ -82,7 +91,7 @@ def test_a_prepacked_model_can_be_deep_copied_and_pickled():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_layer_from_plain_tensors_matches_f_linear(dtype):
-    if not prepack_available(dtype):
+    if not prepack_supported(dtype):
         pytest.skip(f"this CPU or build cannot pack {dtype} weights")
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 16, generator=g).to(dtype)

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 import accel
-from accel.kernels.cpu import PackedLinear, is_transposed, prepack, prepack_available, transpose_weights, untranspose_weights
+from accel.kernels.cpu import (PackedLinear, is_prepacked, is_transposed, prepack, prepack_supported, transpose_weights,
+                               untranspose_weights)
 from helpers import make_tiny_model
 from speculative import PromptLookup
 
@@ -46,16 +47,19 @@ def test_transposing_keeps_parameters_ties_values_and_state_dict():
     assert all(torch.equal(model.state_dict()[k], v) for k, v in values.items())
 
 
-@pytest.mark.parametrize("kernels", [
-    transpose_weights,
-    pytest.param(prepack, marks=pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear packing")),
-    pytest.param(lambda m: prepack(transpose_weights(m), min_rows=4, max_rows=8),
-                 marks=pytest.mark.skipif(not prepack_available(), reason="no oneDNN linear packing")),
+_NO_PACKING = pytest.mark.skipif(not prepack_supported(), reason="no oneDNN linear packing")
+
+
+@pytest.mark.parametrize("kernels,packed", [
+    (transpose_weights, False),
+    pytest.param(prepack, True, marks=_NO_PACKING),
+    pytest.param(lambda m: prepack(transpose_weights(m), min_rows=4, max_rows=8), True, marks=_NO_PACKING),
 ], ids=["transposed", "packed", "transposed+packed window"])
-def test_plain_and_speculative_decoding_on_calibrated_kernels_equal_generate(kernels):
+def test_plain_and_speculative_decoding_on_calibrated_kernels_equal_generate(kernels, packed):
     """accel.generate and model.generate run the same kernels on the same model, so plain
     and speculative decoding equal model.generate token for token."""
     model = kernels(make_tiny_model(seed=3))
+    assert is_prepacked(model) == packed
     ids = _prompt(1, 24)
     with torch.inference_mode():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
@@ -76,7 +80,7 @@ def test_a_transposed_model_can_be_deep_copied_and_pickled():
             torch.testing.assert_close(other(ids).logits, ref)
 
 
-@pytest.mark.skipif(not prepack_available(), reason="this torch build has no oneDNN linear packing")
+@pytest.mark.skipif(not prepack_supported(), reason="this torch build has no oneDNN linear packing")
 def test_packed_layers_are_packed_again_after_a_layout_change():
     model = prepack(make_tiny_model(seed=5))
     ids = _prompt(3, 9)
@@ -89,7 +93,7 @@ def test_packed_layers_are_packed_again_after_a_layout_change():
             m._repack = lambda original=original: (calls.append(1), original())[1]
     transpose_weights(model)
     layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
-    assert len(calls) == len(layers)  # every one, once
+    assert layers and len(calls) == len(layers)  # every one, once
     assert all(m._packed is not None and m._packed_from == m._weight_key() for m in layers)
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, ref, rtol=1e-4, atol=1e-5)
@@ -100,12 +104,13 @@ def test_a_layout_change_inside_inference_mode_keeps_weights_trainable_and_track
     """The engine may calibrate (and so switch layouts) inside inference mode: the weights must
     stay normal tensors, so that the model can still be trained and packed layers still see
     in-place changes of their weights."""
-    if packed and not prepack_available():
+    if packed and not prepack_supported():
         pytest.skip("no oneDNN packing")
     model = make_tiny_model(seed=6)
     reference = make_tiny_model(seed=6)
     if packed:
         prepack(model)
+    assert is_prepacked(model) == packed
     with torch.inference_mode():
         transpose_weights(model)
         untranspose_weights(model)

@@ -6,11 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from accel.kernels.cpu import PackedLinear, prepack, prepack_available
-from accel.kernels.quant import Int8Linear, int8_available, int8_copy, is_int8
+from accel.kernels.cpu import PackedLinear, is_prepacked, prepack, prepack_supported
+from accel.kernels.quant import Int8Linear, int8_available, int8_copy, int8_supported, is_int8
 from helpers import TINY_VOCAB, make_tiny_model
 
-pytestmark = pytest.mark.skipif(not int8_available(), reason="this torch build has no int8 linear kernel")
+pytestmark = pytest.mark.skipif(not int8_supported(), reason="this torch build has no int8 linear kernel")
+
+
+def test_where_the_build_has_the_int8_kernel_accel_uses_it():
+    # the skip above asks whether the kernel runs here; a kernel giving wrong numbers fails here
+    assert int8_available()
 
 
 def test_int8_linear_is_f_linear_within_int8_rounding():
@@ -32,9 +37,10 @@ def test_int8_linear_is_f_linear_within_int8_rounding():
 def test_int8_copy_shares_everything_but_the_linear_kernels(packed):
     model = make_tiny_model(seed=4)
     if packed:
-        if not prepack_available():
+        if not prepack_supported():
             pytest.skip("this torch build has no oneDNN linear packing")
         prepack(model)
+        assert is_prepacked(model)
     before = {n: p.clone() for n, p in model.named_parameters()}
     q = int8_copy(model)
     assert int8_copy(model) is q and q is not model  # made once

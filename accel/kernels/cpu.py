@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 __all__ = ["PackedLinear", "bf16_native", "is_prepacked", "is_transposed", "packed_rows", "packed_window", "prepack",
-           "prepack_available", "split_linear", "split_rows", "transpose_weights", "unprepack", "untranspose_weights"]
+           "prepack_available", "prepack_supported", "split_linear", "split_rows", "transpose_weights", "unprepack", "untranspose_weights"]
 
 _ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; 1-16 rows all run fast in it
 
@@ -91,27 +91,44 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 _PACKABLE = (torch.float32, torch.bfloat16)
+_supported: dict[torch.dtype, bool] = {}
 _available: dict[torch.dtype, bool] = {}
 
 
-def prepack_available(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this torch build can pack ``dtype`` linear weights for oneDNN (float32, or
-    bfloat16 where the CPU has bf16 instructions; checked once per dtype, on a 4 x 8
-    example, against ``F.linear``)."""
-    if dtype not in _available:
+def _probe_operands(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    w = (torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32).to(dtype)  # [out 4, in 8]
+    return w, torch.ones(3, 8, dtype=dtype)
+
+
+def prepack_supported(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build and CPU have oneDNN's packed-linear ops for ``dtype`` (float32,
+    or bfloat16 where oneDNN reports bf16 support) and they run, whatever numbers they give;
+    checked once per dtype. :func:`prepack_available` also checks the numbers."""
+    if dtype not in _supported:
         ok = False
         if dtype in _PACKABLE:
             try:
-                w = (torch.arange(32, dtype=torch.float32).reshape(4, 8) / 32).to(dtype)
-                x = torch.ones(3, 8, dtype=dtype)
-                ok = bool(
-                    torch.backends.mkldnn.is_available()
-                    and (dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
-                    and torch.allclose(_packed_linear(x, _pack(w), None).float(), nn.functional.linear(x, w).float(),
-                                       atol=1e-2 if dtype != torch.float32 else 1e-5)
-                )
+                if torch.backends.mkldnn.is_available() and (
+                        dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+                    w, x = _probe_operands(dtype)
+                    _packed_linear(x, _pack(w), None)
+                    ok = True
             except (AttributeError, RuntimeError):
                 ok = False
+        _supported[dtype] = ok
+    return _supported[dtype]
+
+
+def prepack_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether accel packs ``dtype`` linear weights here: :func:`prepack_supported`, and the
+    packed kernel agrees with ``F.linear`` on a 4 x 8 example (checked once per dtype); where
+    it does not, layers stay plain."""
+    if dtype not in _available:
+        ok = prepack_supported(dtype)
+        if ok:
+            w, x = _probe_operands(dtype)
+            ok = bool(torch.allclose(_packed_linear(x, _pack(w), None).float(), nn.functional.linear(x, w).float(),
+                                     atol=1e-2 if dtype != torch.float32 else 1e-5))
         _available[dtype] = ok
     return _available[dtype]
 

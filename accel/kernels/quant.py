@@ -15,7 +15,8 @@ against 22.3 ms (``python benchmarks/draft_int8.py``).
   before; only ``forward`` uses the int8 copy.
 - :func:`int8_copy` -- a copy of a model whose linear layers are :class:`Int8Linear`; every
   other parameter is shared with the original, so it costs the int8 weights only.
-- :func:`int8_available` -- whether this torch build and CPU run the kernel.
+- :func:`int8_supported` -- whether this torch build and CPU run the kernel;
+  :func:`int8_available` -- and whether it gives the right numbers (where not, no int8 copy).
 
 torch 2.13 marks its quantized-tensor API deprecated (to move to torchao); its warnings are
 silenced here, and :func:`int8_available` is False wherever the kernel is gone, so callers
@@ -35,7 +36,7 @@ from torch import nn
 
 from .cpu import PackedLinear
 
-__all__ = ["Int8Linear", "int8_available", "int8_copy", "is_int8", "release_int8_copy"]
+__all__ = ["Int8Linear", "int8_available", "int8_copy", "int8_supported", "is_int8", "release_int8_copy"]
 
 
 class Int8Linear(nn.Module):
@@ -74,17 +75,32 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, int8"
 
 
+def _probe_operands() -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))  # [out, in]
+    return w, torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
 @functools.cache
-def int8_available() -> bool:
-    """Whether this torch build runs :class:`Int8Linear` here (checked once, on a 4 x 8
-    example, against ``F.linear`` within int8 rounding)."""
+def int8_supported() -> bool:
+    """Whether this torch build and CPU have the quantized linear kernel :class:`Int8Linear`
+    calls and it runs, whatever numbers it gives (checked once). :func:`int8_available` also
+    checks the numbers."""
     try:
-        w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
-        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
-        out = Int8Linear(w)(x)
-        return bool(torch.allclose(out, x @ w.T, atol=0.1, rtol=0.05))
+        w, x = _probe_operands()
+        Int8Linear(w)(x)
+        return True
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
+
+
+@functools.cache
+def int8_available() -> bool:
+    """Whether accel makes int8 copies here: :func:`int8_supported`, and :class:`Int8Linear`
+    agrees with ``F.linear`` within int8 rounding on a 4 x 8 example (checked once)."""
+    if not int8_supported():
+        return False
+    w, x = _probe_operands()
+    return bool(torch.allclose(Int8Linear(w)(x), x @ w.T, atol=0.1, rtol=0.05))
 
 
 def is_int8(model: nn.Module) -> bool:
