@@ -3,6 +3,8 @@
 - ``tiny_model``: a fresh random tiny Llama (see ``helpers.make_tiny_model``); cheap, per test.
 - ``default_model``: ``(model, tokenizer)`` of the real default model, SmolLM2-135M-Instruct,
   loaded once per session. Tests using it carry ``@pytest.mark.real_model``.
+- ``heads_dir``: a folder holding random sequential Medusa heads for the tiny models
+  (``helpers.random_heads(seed=3, sequential=True)``), written once per session.
 
 Tests marked ``models`` (the packaged Qwen and Gemma3 models, gigabytes and minutes to load) run only
 when selected by name: ``pytest -m models`` (``make test-models``); otherwise they are skipped.
@@ -27,7 +29,7 @@ os.environ.setdefault("MKL_CBWR", "AVX2")
 
 import pytest  # noqa: E402
 
-from helpers import make_tiny_model  # noqa: E402
+from helpers import make_tiny_model, random_heads  # noqa: E402
 
 # Loading a model with prepack="auto" would otherwise measure this machine (~20 s for the
 # default model) and write the table into the user's cache: tests get the static table
@@ -56,3 +58,11 @@ def default_model():
     from accel.models import load_default
 
     return load_default()
+
+
+@pytest.fixture(scope="session")
+def heads_dir(tmp_path_factory):
+    """Path (str) of a folder holding random sequential Medusa heads for the tiny models."""
+    folder = tmp_path_factory.mktemp("heads")
+    random_heads(seed=3, sequential=True).save_pretrained(folder)
+    return str(folder)

@@ -1,22 +1,45 @@
-"""Shared test helpers: tiny random models that build in milliseconds, the chi-square check of
-the sampling tests, and a drafter that holds the Engine's thread for lifecycle tests."""
+"""Shared test helpers: tiny random models that build in milliseconds, and what several test
+files need alike.
+
+- models and tokenizers: :func:`make_tiny_model`, :func:`make_tiny_tokenizer` (word level, a
+  chat template), :class:`CharTokenizer` (character level, plain-text chat), :func:`random_heads`
+  (Medusa heads for the tiny models), :func:`load_packaged` (the packaged real models);
+- prompts: :func:`repetitive_prompt` (prompt lookup finds matches), :func:`random_prompt`,
+  :func:`left_padded` (a batch of prompts of different lengths);
+- the reference a batched, drafted or served run is compared with: :func:`generate_alone`,
+  :func:`alone_tokens`;
+- the chi-square check of the sampling tests: :func:`chi2_fails`;
+- drafters: :class:`Scripted` (random, oracle, right-then-wrong or empty proposals) and
+  :class:`Gate` with :func:`engine_held` (hold an Engine's loop thread, so a test orders
+  what the engine sees by construction, not by sleeping).
+
+Test files import from here (and get fixtures from conftest.py), never from each other.
+"""
 
 from __future__ import annotations
 
 import math
 import threading
-from typing import Any, ClassVar
+from contextlib import contextmanager
+from typing import Any, ClassVar, Iterator, Sequence
 
+import pytest
 import torch
+from pydantic import ConfigDict, Field
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from accel.strategy import Drafter
+import accel
+from accel.strategy import DraftContext, DraftProposal, Drafter
 
-__all__ = ["TINY_VOCAB", "SMALL_DRAFT", "make_tiny_config", "make_tiny_model", "make_tiny_tokenizer", "chi2_fails",
-           "Gate", "gate"]
+__all__ = ["TINY_VOCAB", "TINY_HIDDEN", "SMALL_DRAFT", "CharTokenizer", "Gate", "Scripted", "alone_tokens", "chi2_fails", "gate",
+           "engine_held", "generate_alone", "left_padded", "load_packaged", "make_tiny_config", "make_tiny_model",
+           "make_tiny_tokenizer", "random_heads", "random_prompt", "repetitive_prompt"]
 
 #: Vocabulary size of the tiny models (ids 0..96; 0 = bos/pad, 1 = eos).
 TINY_VOCAB = 97
+
+#: Hidden size of the tiny models.
+TINY_HIDDEN = 64
 
 #: ``make_tiny_model`` overrides for a smaller model of the same vocabulary (a draft model).
 SMALL_DRAFT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_kv_heads=1)
@@ -29,7 +52,7 @@ def make_tiny_config(num_kv_heads: int = 2, **overrides) -> LlamaConfig:
     """
     fields = dict(
         vocab_size=TINY_VOCAB,
-        hidden_size=64,
+        hidden_size=TINY_HIDDEN,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -100,6 +123,194 @@ def make_tiny_tokenizer():
     return tok
 
 
+class CharTokenizer:
+    """A character-level stand-in for a tokenizer, sized for the tiny models (97 ids).
+
+    id 0 = pad/bos, 1 = eos; printable ASCII but '~' is ``2 + ord(c) % 95``, newline takes
+    '~''s id (2..96 in all); other characters become '?'.
+    The chat template is plain text: ``<user>\\n...\\n<assistant>\\n``. A list of texts is a
+    batch, padded on ``padding_side`` with an attention mask.
+    """
+
+    pad_token_id = 0
+    eos_token_id = 1
+    padding_side = "right"
+    index = {chr(c): 2 + c % 95 for c in range(32, 126)} | {"\n": 2 + 126 % 95}
+    chars = {i: c for c, i in index.items()}
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
+        text = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages)
+        return text + ("<assistant>\n" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False, return_tensors=None, padding=False):
+        if isinstance(text, str):
+            ids = [self.index.get(c, self.index["?"]) for c in text]
+            return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+        rows = [self(t)["input_ids"] for t in text]
+        n = max(map(len, rows))
+        ids = torch.full((len(rows), n), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            at = slice(n - len(r), n) if self.padding_side == "left" else slice(0, len(r))
+            ids[i, at], mask[i, at] = torch.tensor(r, dtype=torch.long), 1
+        return {"input_ids": ids, "attention_mask": mask}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.chars[i] for i in ids if i >= 2)
+
+
+def random_heads(num_heads: int = 3, num_layers: int = 1, own_lm_head: bool = False, seed: int = 0, std: float = 0.3,
+                 sequential: bool = False):
+    """Medusa heads for the tiny models with every parameter drawn from N(0, std^2) (seeded):
+    they propose tokens, mostly wrong ones."""
+    from speculative import MedusaHeads
+
+    heads = MedusaHeads(num_heads, TINY_HIDDEN, TINY_VOCAB, num_layers, own_lm_head, sequential=sequential)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return heads
+
+
+def load_packaged(name: str, dtype: torch.dtype = torch.float32):
+    """``(model, tokenizer)`` of a packaged model, the object ``DraftModel(model=name)`` uses.
+
+    Tests on these models run only when selected (``pytest -m models``, see conftest.py); there
+    a missing model fails the test, naming the command that installs it."""
+    from accel.models import ModelNotAvailableError, load_shared
+
+    try:
+        return load_shared(name, dtype, "cpu")
+    except ModelNotAvailableError as err:
+        missing = str(err)  # (failed outside the handler: one message, not a chain of two)
+    pytest.fail(f"{missing} (the tests marked `models` need the packaged models: `make models`)", pytrace=False)
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def repetitive_prompt(seed: int, n: int, period: int | None = None) -> torch.Tensor:
+    """[1, n] ids in 2..96: a random segment of ``period`` tokens (default ``max(4, n // 3)``)
+    repeated, so prompt lookup finds matches."""
+    period = max(4, n // 3) if period is None else period
+    base = torch.randint(2, TINY_VOCAB, (period,), generator=torch.Generator().manual_seed(seed))
+    return base.repeat(-(-n // period))[:n].unsqueeze(0)
+
+
+def random_prompt(seed: int, n: int) -> torch.Tensor:
+    """[1, n] random ids in 2..96."""
+    return torch.randint(2, TINY_VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def left_padded(prompts: Sequence[Any], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of prompts (each [n], [1, n] or a list of ids) padded on the left with
+    ``pad_id``: (ids [B, N], attention mask [B, N]), N the longest prompt."""
+    rows = [torch.as_tensor(p).reshape(-1) for p in prompts]
+    n = max(r.numel() for r in rows)
+    ids = torch.full((len(rows), n), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, n - r.numel():], mask[i, n - r.numel():] = r, 1
+    return ids, mask
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def generate_alone(model, prompt, new: int, strategies: Sequence[Any] = (), **kw) -> "accel.GenerateResult":
+    """``accel.generate`` of one prompt ([n], [1, n] or a list of ids) on its own: the reference
+    a batched, drafted or served run is compared with. No EOS stop unless ``eos_token_id`` is
+    given."""
+    kw.setdefault("eos_token_id", [])
+    ids = torch.as_tensor(prompt).reshape(1, -1)
+    return accel.generate(model, ids, strategies=list(strategies), max_new_tokens=new, **kw)
+
+
+def alone_tokens(model, prompt, new: int, strategies: Sequence[Any] = (), **kw) -> list[int]:
+    """The new tokens of :func:`generate_alone`."""
+    n = torch.as_tensor(prompt).numel()
+    return generate_alone(model, prompt, new, strategies, **kw).sequences[0, n:].tolist()
+
+
+# ----------------------------------------------------------------------------- drafters
+
+
+class Scripted(Drafter):
+    """Test drafter. mode: 'random' tokens in a random tree, the 'oracle' continuation, the
+    continuation 'right_then_wrong' after k tokens, or 'empty' proposals. ``reference``: the
+    whole sequence (prompt and greedy continuation) the oracle reads from."""
+
+    name: ClassVar[str] = "scripted_test"
+    mode: str = "oracle"
+    k: int = 3
+    size: int = 6
+    reference: tuple[int, ...] = ()
+
+    def start(self, model: Any, prompt: torch.Tensor) -> dict:
+        return {"gen": torch.Generator().manual_seed(len(prompt)), "feedback": []}
+
+    def propose(self, state: dict, ctx: DraftContext) -> DraftProposal | None:
+        n = min(self.size, ctx.max_tokens)
+        if self.mode == "empty":
+            empty = torch.empty(0, dtype=torch.long)
+            return None if len(ctx.tokens) % 2 else DraftProposal(empty, empty)
+        if self.mode == "random":
+            tokens = torch.randint(0, TINY_VOCAB, (n,), generator=state["gen"])
+            parents = torch.tensor([int(torch.randint(0, i + 1, (1,), generator=state["gen"])) for i in range(n)])
+            return DraftProposal(tokens, parents)
+        pos = len(ctx.tokens)
+        truth = list(self.reference[pos : pos + n])
+        if not truth:
+            return None
+        if self.mode == "right_then_wrong":
+            truth = truth[: self.k] + [(t + 1) % TINY_VOCAB for t in truth[self.k :]]
+        return DraftProposal(torch.tensor(truth), torch.arange(len(truth)))
+
+    def feedback(self, state: dict, proposed: int, accepted: int) -> None:
+        state["feedback"].append((proposed, accepted))
+
+
+class Gate(Drafter):
+    """A drafter whose :meth:`start` (run on the Engine's loop thread when a request carrying it
+    is admitted) sets ``entered``, then waits until the test sets ``opened``. It proposes
+    nothing. See :func:`engine_held`."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, frozen=True)
+    name: ClassVar[str] = "gate_test"
+    entered: threading.Event = Field(default_factory=threading.Event)
+    opened: threading.Event = Field(default_factory=threading.Event)
+
+    def start(self, model: Any, prompt: torch.Tensor) -> None:
+        self.entered.set()
+        if not self.opened.wait(120):
+            raise TimeoutError("the test never opened the gate")
+
+    def propose(self, state: Any, ctx: DraftContext) -> None:
+        return None
+
+
+def gate() -> Gate:
+    """A :class:`Gate` with fresh ``entered`` / ``opened`` events."""
+    return Gate()
+
+
+@contextmanager
+def engine_held(engine, prompt) -> Iterator[None]:
+    """Hold ``engine``'s loop thread for the block: a one-token request carrying a :class:`Gate`
+    is admitted and waits in its drafter's start until the block ends. Requests submitted
+    inside the block wait in the engine's queue, in order; a request cancelled there ends
+    cancelled before it runs a step."""
+    gate = Gate()
+    blocker = engine.submit(prompt, max_new_tokens=1, strategies=[gate])
+    assert gate.entered.wait(60), "the engine did not admit the gate's request"
+    try:
+        yield
+    finally:
+        gate.opened.set()
+        blocker.result(timeout=60)
+
+
 def chi2_fails(counts: torch.Tensor, p: torch.Tensor, z: float = 3.719, min_expected: float = 5.0) -> bool:
     """True if ``counts`` [K] are NOT plausibly a multinomial sample of the distribution ``p``
     [K]: Pearson's chi-square test at level 1e-4 (Wilson-Hilferty critical value for ``z``).
@@ -136,29 +347,3 @@ def chi2_fails(counts: torch.Tensor, p: torch.Tensor, z: float = 3.719, min_expe
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat > crit
-
-
-class Gate(Drafter):
-    """Holds the Engine's loop thread at a known point: its ``start()`` (in the admission,
-    after the prefill and the first token) sets ``entered`` and waits for ``proceed``, so a
-    test knows where the loop is while it submits, cancels or closes from other threads.
-    It drafts nothing. :func:`gate` builds one with fresh events."""
-
-    name: ClassVar[str] = "gate_test"
-    entered: Any = None  # threading.Event
-    proceed: Any = None  # threading.Event (not `release`: that is a Drafter method)
-    timeout: float = 120.0
-
-    def start(self, model, prompt):
-        self.entered.set()
-        if not self.proceed.wait(self.timeout):
-            raise TimeoutError("the test never opened the gate")
-        return None
-
-    def propose(self, state, ctx):
-        return None
-
-
-def gate() -> Gate:
-    """A :class:`Gate` with its own ``entered`` / ``proceed`` events."""
-    return Gate(entered=threading.Event(), proceed=threading.Event())

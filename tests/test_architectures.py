@@ -26,9 +26,9 @@ from transformers.modeling_utils import AttentionInterface
 
 import accel
 from accel import adapter
-from helpers import TINY_VOCAB
+from helpers import TINY_VOCAB, Scripted, random_heads, repetitive_prompt
 from snapkv import AdaSnapKV, SnapKV, StreamingLLM
-from speculative import Medusa, MedusaHeads, PromptLookup
+from speculative import Medusa, PromptLookup
 
 HIDDEN = 64
 NEW_TOKENS = 16
@@ -94,8 +94,7 @@ def arch_model(name: str, seed: int = 0):
 
 def prompt(seed: int = 0, n: int = 60) -> torch.Tensor:
     """[1, n] ids: a 15-token segment repeated, so prompt lookup finds matches."""
-    base = torch.randint(2, TINY_VOCAB, (15,), generator=torch.Generator().manual_seed(seed))
-    return base.repeat(n // 15 + 1)[:n].unsqueeze(0)
+    return repetitive_prompt(seed, n, period=15)
 
 
 # --------------------------------------------------------------------------- window queries
@@ -214,12 +213,7 @@ def test_unmirrorable_attention_is_refused_before_the_prefill(build, cls, missin
 @pytest.fixture(scope="module")
 def heads_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("medusa_heads")
-    heads = MedusaHeads(3, HIDDEN, TINY_VOCAB, 1, False)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
-    heads.save_pretrained(folder)
+    random_heads(seed=0).save_pretrained(folder)  # (this file's own heads: non-sequential)
     return str(folder)
 
 
@@ -297,15 +291,21 @@ def test_cell_is_exact(arch, cell, heads_dir):
 # --------------------------------------------------------------------------- bfloat16
 
 
+#: New tokens of 20 that drafting in bf16 must give exactly as plain bf16 decoding where
+#: verification is labelled approximate (sliding windows, soft-capping): a last-bit difference
+#: may flip a near-tie somewhere, not the start of the output.
+APPROXIMATE_PREFIX = 10
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_bf16_drafting_is_exact_where_claimed_on_every_architecture(arch):
     # ordered attention wherever the attention allows it; claimed exact without sliding
-    # windows and soft-capping, and then greedy drafting (garbage included) equals plain bf16
+    # windows and soft-capping, and then greedy drafting (garbage included) equals plain bf16;
+    # labelled approximate otherwise, and then it agrees for APPROXIMATE_PREFIX new tokens
     import copy
     import warnings
 
     from accel.kernels import invariance, ordered
-    from test_speculative import Scripted
 
     model = copy.deepcopy(arch_model(arch)).to(torch.bfloat16)
     geo = adapter.geometry(model)
@@ -315,7 +315,9 @@ def test_bf16_drafting_is_exact_where_claimed_on_every_architecture(arch):
         warnings.simplefilter("ignore", RuntimeWarning)  # the approximate label, where it applies
         exact = invariance.is_exact(model)
     products = ordered.probe(geo.head_dim, geo.num_heads // geo.num_kv_heads)
-    assert exact == (capable and arch not in SLIDING and products and invariance.verify_rows(model) > 0)
+    # exact needs a row count (verify_rows) at which the invariance probe passes
+    invariant = invariance.probe(model, invariance.verify_rows(model), invariance.kv_align(model))
+    assert exact == (capable and arch not in SLIDING and products and invariant)
     ids = prompt(3)
     kw = dict(max_new_tokens=20, eos_token_id=[])
     with warnings.catch_warnings():
@@ -324,5 +326,5 @@ def test_bf16_drafting_is_exact_where_claimed_on_every_architecture(arch):
         outs = [accel.generate(model, ids, strategies=s, **kw) for s in ([PromptLookup()], [Scripted(mode="random")])]
     for out in outs:
         assert out.stats.exact_verify == exact and out.stats.drafted_tokens > 0
-        if exact:
-            assert torch.equal(out.sequences, ref.sequences)
+        agree = ids.shape[1] + (kw["max_new_tokens"] if exact else APPROXIMATE_PREFIX)
+        assert torch.equal(out.sequences[:, :agree], ref.sequences[:, :agree])

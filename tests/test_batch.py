@@ -6,55 +6,26 @@ import pytest
 import torch
 
 import accel
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import TINY_VOCAB, Scripted, alone_tokens, left_padded, make_tiny_model, repetitive_prompt
 from snapkv import AdaSnapKV, SnapKV
 from speculative import Medusa, PromptLookup
-from test_medusa import random_heads
-from test_speculative import Scripted
 
 LENGTHS = (37, 52, 20, 45, 60, 29, 41, 33)
 
 
 def _prompts(count: int, seed: int = 0) -> list[torch.Tensor]:
-    """Repetitive prompts of different lengths (so prompt lookup drafts)."""
-    out = []
-    for i in range(count):
-        n = LENGTHS[i % len(LENGTHS)]
-        base = torch.randint(2, TINY_VOCAB, (max(4, n // 3),), generator=torch.Generator().manual_seed(seed + i))
-        out.append(base.repeat(4)[:n])
-    return out
-
-
-def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    n = max(p.numel() for p in prompts)
-    ids = torch.zeros(len(prompts), n, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, n - p.numel():] = p
-        mask[i, n - p.numel():] = 1
-    return ids, mask
-
-
-def _alone(model, prompt, strategies, new, **kw) -> list[int]:
-    out = accel.generate(model, prompt.unsqueeze(0), strategies=strategies, max_new_tokens=new, **kw)
-    return out.sequences[0, prompt.numel():].tolist()
+    """Repetitive prompts [n] of different lengths (so prompt lookup drafts)."""
+    return [repetitive_prompt(seed + i, LENGTHS[i % len(LENGTHS)])[0] for i in range(count)]
 
 
 def _batched(model, prompts, strategies, new, **kw) -> tuple[list[list[int]], accel.GenerateResult]:
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     res = accel.generate(model, ids, attention_mask=mask, strategies=strategies, max_new_tokens=new, **kw)
     width = ids.shape[1]
     rows = []
     for i, s in enumerate(res.row_stats):
         rows.append(res.sequences[i, width: width + s.new_tokens].tolist())
     return rows, res
-
-
-@pytest.fixture(scope="module")
-def heads_dir(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("heads")
-    random_heads(seed=3, sequential=True).save_pretrained(folder)
-    return str(folder)
 
 
 COMBOS = {
@@ -75,7 +46,7 @@ def test_every_row_equals_that_row_alone(combo, heads_dir):
     strategies = COMBOS[combo](heads_dir)
     rows, res = _batched(model, prompts, strategies, 24, eos_token_id=[])
     for p, row in zip(prompts, rows):
-        assert row == _alone(model, p, strategies, 24, eos_token_id=[])
+        assert row == alone_tokens(model, p, 24, strategies)
     assert res.stats.new_tokens == 5 * 24
     if "medusa" in combo:  # random heads: drafts are proposed (and rejected)
         assert res.stats.drafted_tokens > 0
@@ -91,14 +62,14 @@ def test_batch_sizes_one_to_eight(size):
     prompts = _prompts(size, seed=20)
     for strategies in ([], [PromptLookup()]):
         rows, res = _batched(model, prompts, strategies, 16, eos_token_id=[])
-        assert rows == [_alone(model, p, strategies, 16, eos_token_id=[]) for p in prompts]
+        assert rows == [alone_tokens(model, p, 16, strategies) for p in prompts]
         assert len(res.row_stats) == size
 
 
 def test_plain_batch_equals_model_generate_with_left_padding():
     model = make_tiny_model(seed=33)
     prompts = _prompts(4, seed=30)
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, pad_token_id=0,
                          eos_token_id=None)
     res = accel.generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
@@ -108,7 +79,7 @@ def test_plain_batch_equals_model_generate_with_left_padding():
 def test_rows_that_stop_early_leave_the_others_exact():
     model = make_tiny_model(seed=34)
     prompts = _prompts(4, seed=40)
-    free = [_alone(model, p, [], 20, eos_token_id=[]) for p in prompts]
+    free = [alone_tokens(model, p, 20) for p in prompts]
     stop = free[1][3]  # row 1 stops at its 4th token (others may stop too, wherever it occurs)
     rows, res = _batched(model, prompts, [PromptLookup()], 20, eos_token_id=stop)
     for p, row, alone in zip(prompts, rows, free):
@@ -120,7 +91,7 @@ def test_rows_that_stop_early_leave_the_others_exact():
 def test_garbage_drafter_and_rows_without_drafts_stay_exact():
     model = make_tiny_model(seed=35)
     prompts = _prompts(4, seed=50)
-    ref = [_alone(model, p, [], 20, eos_token_id=[]) for p in prompts]
+    ref = [alone_tokens(model, p, 20) for p in prompts]
     for mode in ("random", "empty"):
         rows, res = _batched(model, prompts, [Scripted(mode=mode)], 20, eos_token_id=[])
         assert rows == ref
@@ -136,14 +107,14 @@ def test_sampling_is_reproducible_and_per_row():
     assert a == b
     # row i samples with seed + i: what it samples alone with that seed
     for i, (p, row) in enumerate(zip(prompts, a)):
-        assert row == _alone(model, p, [PromptLookup()], 16, temperature=1.0, seed=7 + i, eos_token_id=[])
+        assert row == alone_tokens(model, p, 16, [PromptLookup()], temperature=1.0, seed=7 + i)
     assert a != _batched(model, prompts, [PromptLookup()], 16, temperature=1.0, seed=8, eos_token_id=[])[0]
 
 
 def test_stream_yields_each_rows_tokens_as_accepted():
     model = make_tiny_model(seed=37)
     prompts = _prompts(3, seed=70)
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     got: dict[int, list[int]] = {0: [], 1: [], 2: []}
     finished = set()
     for delta in accel.stream(model, ids, attention_mask=mask, strategies=[PromptLookup()], max_new_tokens=15,
@@ -154,7 +125,7 @@ def test_stream_yields_each_rows_tokens_as_accepted():
             finished.add(delta.row)
             assert delta.finish_reason == "length"
     assert finished == {0, 1, 2}
-    assert [got[i] for i in range(3)] == [_alone(model, p, [], 15, eos_token_id=[]) for p in prompts]
+    assert [got[i] for i in range(3)] == [alone_tokens(model, p, 15) for p in prompts]
 
 
 def test_stats_are_aggregate_and_per_row():
@@ -194,7 +165,7 @@ def test_the_guard_decides_whether_a_measured_batch_drafts(monkeypatch):
 
     model = make_tiny_model(seed=36)
     prompts = _prompts(3, seed=60)
-    ref = [_alone(model, p, [], 16, eos_token_id=[]) for p in prompts]
+    ref = [alone_tokens(model, p, 16) for p in prompts]
     flat = CostTable(tokens=(1, 64), cache_lens=(256,), ms=((10.0, 10.5),))  # measured: drafting looks free
     monkeypatch.setattr(calibrate, "cost_table", lambda model: flat)
     seen: list[tuple[bool, float]] = []
@@ -218,7 +189,7 @@ def test_each_batch_size_keeps_its_guard_across_calls(monkeypatch):
     flat = CostTable(tokens=(1, 64), cache_lens=(256,), ms=((10.0, 10.5),))  # measured: the guard is live
     monkeypatch.setattr(calibrate, "cost_table", lambda model: flat)
     prompts = _prompts(3, seed=61)
-    ref = [_alone(model, p, [], 12, eos_token_id=[]) for p in prompts]
+    ref = [alone_tokens(model, p, 12) for p in prompts]
     _batched(model, prompts, [PromptLookup()], 12, eos_token_id=[])
     guards = engine._GUARDS[model]
     (key,) = [k for k in guards if k[0] == 4]  # 3 rows: the batches of 3-4, and the drafter's settings
@@ -272,7 +243,7 @@ def test_drafters_whose_settings_cannot_be_compared_draft_row_by_row():
 
     model = make_tiny_model(seed=38)
     prompts = _prompts(3, seed=62)
-    ref = [_alone(model, p, [], 10, eos_token_id=[]) for p in prompts]
+    ref = [alone_tokens(model, p, 10) for p in prompts]
     drafter = Biased(bias=torch.tensor([1, 2]))
     other = Biased(bias=torch.tensor([1, 3]))  # equal-looking objects whose == cannot be decided
     rows, res = _batched(model, prompts, [drafter], 10, eos_token_id=[])
@@ -297,7 +268,7 @@ def test_a_malformed_proposal_fails_its_request_alone():
         good = engine.submit(prompt, max_new_tokens=8)
         r = bad.result(timeout=60)
         assert r.finish_reason == "error" and "parents" in r.error
-        assert good.result(timeout=60).tokens == _alone(model, prompt, [], 8, eos_token_id=[])
+        assert good.result(timeout=60).tokens == alone_tokens(model, prompt, 8)
 
 
 def test_a_new_row_probes_drafts_where_a_two_token_pass_is_dear_and_garbage_stops(monkeypatch):

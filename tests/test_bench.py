@@ -10,43 +10,16 @@ import torch
 import yaml
 
 from accel.bench import ConfigError, load_config, run_experiment
-from accel.kernels.cpu import PackedLinear, prepack, prepack_available
+from accel.kernels.cpu import PackedLinear, prepack, prepack_supported
 from accel.bench.runner import _agreement, _schedule
 from accel.bench.experiment_file import apply_overrides
 from accel.bench.tasks import build_items, score
 from accel.cli import main
 from accel.strategy import REGISTRY, _load_builtin
 
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import CharTokenizer, make_tiny_model
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-
-
-class CharTokenizer:
-    """A character-level stand-in for a tokenizer, sized for the tiny models (97 ids).
-
-    id 0 = pad/bos, 1 = eos, 2.. = newline and printable ASCII (other characters become '?').
-    The chat template is plain text: ``<user>\\n...\\n<assistant>\\n``.
-    """
-
-    pad_token_id = 0
-    eos_token_id = 1
-    chars = "\n" + "".join(chr(c) for c in range(32, 126))  # 95 characters: ids 2..96
-
-    def __init__(self) -> None:
-        assert len(self.chars) + 2 == TINY_VOCAB
-        self.index = {c: i + 2 for i, c in enumerate(self.chars)}
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        text = "".join(f"<{m['role']}>\n{m['content']}\n" for m in messages)
-        return text + ("<assistant>\n" if add_generation_prompt else "")
-
-    def __call__(self, text, add_special_tokens=False, return_tensors=None):
-        ids = [self.index.get(c, self.index["?"]) for c in text]
-        return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(self.chars[i - 2] for i in ids if i >= 2)
 
 
 def _write(tmp_path: Path, data: dict | str, name: str = "exp.yaml") -> Path:
@@ -477,7 +450,7 @@ def test_arrivals_record_latency_and_ttft_for_every_request(tmp_path):
                 baselines=["hf_generate", "hf_generate_unpacked", "hf_generate_batch"],
                 runs={"accel_plain": []}, batch_sizes=[1], arrivals={"requests": 5, "interval_s": 0.01, "max_batch": 2})
     model = make_tiny_model()
-    packed = prepack_available()
+    packed = prepack_supported()
     if packed:  # hf_generate_unpacked swaps in plain kernels for its calls only
         prepack(model, min_rows=2, max_rows=64)
     out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=model, tokenizer=CharTokenizer(),

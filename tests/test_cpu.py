@@ -7,13 +7,9 @@ import torch
 from torch import nn
 
 from accel.kernels.cpu import PackedLinear, is_prepacked, prepack, prepack_available, prepack_supported
-from helpers import make_tiny_model
+from helpers import make_tiny_model, random_prompt
 
 pytestmark = pytest.mark.skipif(not prepack_supported(), reason="this torch build has no oneDNN linear packing")
-
-
-def _prompt(seed: int, n: int) -> torch.Tensor:
-    return torch.randint(2, 97, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,7 +38,7 @@ def test_prepack_swaps_every_linear_and_keeps_parameters_and_ties():
 def test_prepacked_logits_match_the_unpacked_model():
     plain = make_tiny_model(seed=2)
     packed = prepack(make_tiny_model(seed=2))
-    ids = _prompt(0, 20)
+    ids = random_prompt(0, 20)
     with torch.inference_mode():
         a = plain(ids).logits
         b = packed(ids).logits
@@ -71,7 +67,7 @@ def test_a_prepacked_model_can_be_deep_copied_and_pickled():
     import io
 
     model = prepack(make_tiny_model(seed=4, tie_word_embeddings=True))
-    ids = _prompt(2, 16)
+    ids = random_prompt(2, 16)
     clone = copy.deepcopy(model)  # accel train-heads copies the model to make its data in bf16
     assert is_prepacked(clone)
     assert clone.lm_head.weight is clone.model.embed_tokens.weight
@@ -252,7 +248,7 @@ def test_a_split_window_runs_before_the_packed_one(monkeypatch):
 def test_a_split_model_decodes_like_the_plain_one():
     reference = make_tiny_model(seed=7)
     model = prepack(make_tiny_model(seed=7), min_rows=2, split_rows=1)
-    ids = _prompt(3, 9)
+    ids = random_prompt(3, 9)
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
         ref = reference.generate(ids, max_new_tokens=12, do_sample=False)

@@ -18,7 +18,7 @@ from helpers import TINY_VOCAB, make_tiny_model
 from snapkv import H2O, AdaSnapKV, SnapKV, StreamingLLM
 from snapkv.scoring import decode_votes, window_scores
 from speculative import PromptLookup
-from test_speculative import Scripted
+from helpers import Scripted
 
 
 @pytest.fixture(scope="module")

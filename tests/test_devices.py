@@ -1,5 +1,5 @@
 """Devices and attention kernels: flash-attention models, CUDA (marked ``cuda``), and the
-greedy reduction of the lossy typical acceptance at temperature 0."""
+greedy reduction of the lossy typical acceptance on a one-hot target."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import accel
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import make_tiny_model, repetitive_prompt
 from snapkv import SnapKV
 from speculative import PromptLookup, TypicalAcceptance
 
@@ -15,8 +15,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def _prompt(n=45, seed=0):
-    base = torch.randint(2, TINY_VOCAB, (n // 3,), generator=torch.Generator().manual_seed(seed))
-    return base.repeat(3).unsqueeze(0)
+    return repetitive_prompt(seed, n)
 
 
 def test_flash_attention_model_verifies_trees_on_sdpa_and_is_restored():
@@ -32,13 +31,19 @@ def test_flash_attention_model_verifies_trees_on_sdpa_and_is_restored():
     assert flash.config._attn_implementation == "flash_attention_2"
 
 
-def test_typical_acceptance_is_greedy_at_temperature_zero():
+def test_typical_acceptance_on_a_one_hot_target_is_greedy(monkeypatch):
+    # at temperature 0 the engine accepts greedily without asking the rule; sampling with
+    # top_k=1 makes the target one-hot, and there the rule runs and must reduce to greedy
+    calls: list[int] = []
+    accept = TypicalAcceptance.accept
+    monkeypatch.setattr(TypicalAcceptance, "accept", lambda self, *a, **kw: calls.append(1) or accept(self, *a, **kw))
     model = make_tiny_model(seed=5)
     ids = _prompt(seed=1)
     ref = accel.generate(model, ids, max_new_tokens=20, eos_token_id=[])
     out = accel.generate(model, ids, strategies=[PromptLookup(), TypicalAcceptance()], max_new_tokens=20,
-                         eos_token_id=[])
+                         temperature=1.0, top_k=1, seed=0, eos_token_id=[])
     assert torch.equal(out.sequences, ref.sequences)
+    assert calls and out.stats.drafted_tokens > 0 and out.stats.accepted_tokens > 0
 
 
 @pytest.mark.cuda

@@ -19,10 +19,9 @@ import torch
 
 import accel
 from accel.cache import SharedCache
-from helpers import SMALL_DRAFT, TINY_VOCAB, make_tiny_model
+from helpers import SMALL_DRAFT, engine_held, make_tiny_model, repetitive_prompt
 from snapkv import AdaSnapKV, SnapKV
 from speculative import DraftModel, Medusa, PromptLookup
-from test_batch import heads_dir  # noqa: F401 (a fixture: random Medusa heads saved to a folder)
 
 
 @contextmanager
@@ -45,8 +44,7 @@ def _tensors(objects: list) -> list[tuple]:
 
 
 def _prompt(i: int) -> torch.Tensor:
-    base = torch.randint(2, TINY_VOCAB, (8 + i,), generator=torch.Generator().manual_seed(70 + i))
-    return base.repeat(3)
+    return repetitive_prompt(70 + i, 3 * (8 + i), period=8 + i)[0]
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +84,13 @@ def test_engine_requests_leave_no_tensor_to_the_cyclic_collector(model, heads_di
     with accel.Engine(model, strategies=strategies, max_batch=3, eos_token_id=[]) as engine:
         engine.submit(_prompt(0), max_new_tokens=4).result(timeout=120)  # warm up
         with _collector_finds() as found:
-            handles = [engine.submit(_prompt(i), max_new_tokens=5 + i) for i in range(6)]
-            handles[2].cancel()
-            for h in handles:
-                h.result(timeout=120)
-            assert all(h.done for h in handles)
+            with engine_held(engine, _prompt(0)):  # nothing runs until all are queued
+                handles = [engine.submit(_prompt(i), max_new_tokens=64 if i == 1 else 5 + i) for i in range(6)]
+                handles[1].on_delta(lambda delta: handles[1].cancel())  # cancelled live, after its first token
+                handles[2].cancel()  # cancelled while queued
+            results = [h.result(timeout=120) for h in handles]
+    assert [r.finish_reason for r in results] == ["length", "cancelled", "cancelled", "length", "length", "length"]
+    assert len(results[1].tokens) < 64 and results[2].tokens == []
     assert _tensors(found) == []
 
 

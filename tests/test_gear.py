@@ -17,7 +17,7 @@ from snapkv import GEAR, SnapKV
 from snapkv.gear import quantize_group
 from speculative import PromptLookup
 from test_decode_eviction import decode_snapshots
-from test_speculative import Scripted
+from helpers import Scripted
 
 
 @pytest.fixture(scope="module")

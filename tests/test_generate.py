@@ -5,7 +5,7 @@ import torch
 
 import accel
 from accel import StrategyError
-from helpers import make_tiny_model
+from helpers import left_padded, make_tiny_model, random_prompt
 
 
 def hf_greedy(model, ids, max_new_tokens, eos=None):
@@ -19,7 +19,7 @@ def hf_greedy(model, ids, max_new_tokens, eos=None):
 @pytest.mark.parametrize("prompt_len,new", [(1, 5), (7, 20), (40, 33)])
 def test_plain_decoding_equals_model_generate(seed, prompt_len, new):
     model = make_tiny_model(seed=seed)
-    ids = torch.randint(2, 97, (1, prompt_len), generator=torch.Generator().manual_seed(seed + 100))
+    ids = random_prompt(seed + 100, prompt_len)
     ref = hf_greedy(model, ids, new)  # the model's own EOS, as in generation_config
     res = accel.generate(model, ids, strategies=[], max_new_tokens=new)
     assert torch.equal(res.sequences, ref)
@@ -27,7 +27,7 @@ def test_plain_decoding_equals_model_generate(seed, prompt_len, new):
 
 def test_eos_stops_like_model_generate():
     model = make_tiny_model(seed=3)
-    ids = torch.randint(2, 97, (1, 9), generator=torch.Generator().manual_seed(7))
+    ids = random_prompt(7, 9)
     free = accel.generate(model, ids, max_new_tokens=30, eos_token_id=[])
     stop = int(free.sequences[0, 9 + 4])  # make the 5th generated token the EOS
     ref = hf_greedy(model, ids, 30, eos=stop)
@@ -39,7 +39,7 @@ def test_eos_stops_like_model_generate():
 
 def test_stats_fields():
     model = make_tiny_model()
-    ids = torch.randint(2, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    ids = random_prompt(0, 12)
     res = accel.generate(model, ids, max_new_tokens=10, eos_token_id=[])
     s = res.stats
     for name in ("prefill_s", "decode_s", "new_tokens", "verify_steps", "mean_accepted", "kv_bytes_full", "kv_bytes_kept"):
@@ -54,7 +54,7 @@ def test_stats_fields():
 
 def test_sampling_is_reproducible_with_seed_and_varies_without():
     model = make_tiny_model()
-    ids = torch.randint(2, 97, (1, 6), generator=torch.Generator().manual_seed(1))
+    ids = random_prompt(1, 6)
     kw = dict(max_new_tokens=24, temperature=1.0, eos_token_id=[])
     a = accel.generate(model, ids, seed=5, **kw).sequences
     b = accel.generate(model, ids, seed=5, **kw).sequences
@@ -67,7 +67,7 @@ def test_sampling_is_reproducible_with_seed_and_varies_without():
 
 def test_top_k_1_sampling_is_greedy():
     model = make_tiny_model(seed=4)
-    ids = torch.randint(2, 97, (1, 6), generator=torch.Generator().manual_seed(2))
+    ids = random_prompt(2, 6)
     greedy = accel.generate(model, ids, max_new_tokens=15, eos_token_id=[]).sequences
     sampled = accel.generate(model, ids, max_new_tokens=15, temperature=0.7, top_k=1, seed=0, eos_token_id=[]).sequences
     assert torch.equal(greedy, sampled)
@@ -78,10 +78,7 @@ def test_batch_rows_equal_single_rows_with_left_padding():
     g = torch.Generator().manual_seed(3)
     a = torch.randint(2, 97, (5,), generator=g)
     b = torch.randint(2, 97, (8,), generator=g)
-    batch = torch.zeros(2, 8, dtype=torch.long)
-    mask = torch.zeros(2, 8, dtype=torch.long)
-    batch[0, 3:], mask[0, 3:] = a, 1
-    batch[1], mask[1] = b, 1
+    batch, mask = left_padded([a, b])
     res = accel.generate(model, batch, attention_mask=mask, max_new_tokens=6, eos_token_id=[])
     one_a = accel.generate(model, a.unsqueeze(0), max_new_tokens=6, eos_token_id=[]).sequences[0]
     one_b = accel.generate(model, b.unsqueeze(0), max_new_tokens=6, eos_token_id=[]).sequences[0]

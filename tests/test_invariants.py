@@ -102,7 +102,7 @@ def test_garbage_with_snapkv_and_ada_snapkv_rows_in_one_engine_batch(model):
         first = engine.submit(prompts[0][:9], max_new_tokens=1, strategies=[hold])
         assert hold.entered.wait(60)  # the loop is held: the requests below are admitted together
         handles = [engine.submit(p, max_new_tokens=NEW, strategies=k + [garbage]) for p, k in zip(prompts, kinds)]
-        hold.proceed.set()
+        hold.opened.set()
         results = [h.result(timeout=300) for h in handles]
         assert first.result(timeout=60).finish_reason == "length" and first.result().error is None
         assert engine.metrics()["prefills"] == 2  # the gate's, then the five together

@@ -13,19 +13,15 @@ from torch import nn
 import accel
 from accel.kernels.cpu import (PackedLinear, is_prepacked, is_transposed, prepack, prepack_supported, transpose_weights,
                                untranspose_weights)
-from helpers import make_tiny_model
+from helpers import make_tiny_model, random_prompt
 from speculative import PromptLookup
-
-
-def _prompt(seed: int, n: int) -> torch.Tensor:
-    return torch.randint(2, 97, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 def test_transposing_keeps_parameters_ties_values_and_state_dict():
     model = make_tiny_model(seed=1, tie_word_embeddings=True)
     params = dict(model.named_parameters())
     values = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    ids = _prompt(0, 12)
+    ids = random_prompt(0, 12)
     with torch.inference_mode():
         before = model(ids).logits
     assert not is_transposed(model)
@@ -60,7 +56,7 @@ def test_plain_and_speculative_decoding_on_calibrated_kernels_equal_generate(ker
     and speculative decoding equal model.generate token for token."""
     model = kernels(make_tiny_model(seed=3))
     assert is_prepacked(model) == packed
-    ids = _prompt(1, 24)
+    ids = random_prompt(1, 24)
     with torch.inference_mode():
         ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
                              pad_token_id=0, eos_token_id=None)
@@ -71,7 +67,7 @@ def test_plain_and_speculative_decoding_on_calibrated_kernels_equal_generate(ker
 
 def test_a_transposed_model_can_be_deep_copied_and_pickled():
     model = transpose_weights(make_tiny_model(seed=4))
-    ids = _prompt(2, 10)
+    ids = random_prompt(2, 10)
     with torch.inference_mode():
         ref = model(ids).logits
     for other in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
@@ -83,7 +79,7 @@ def test_a_transposed_model_can_be_deep_copied_and_pickled():
 @pytest.mark.skipif(not prepack_supported(), reason="this torch build has no oneDNN linear packing")
 def test_packed_layers_are_packed_again_after_a_layout_change():
     model = prepack(make_tiny_model(seed=5))
-    ids = _prompt(3, 9)
+    ids = random_prompt(3, 9)
     with torch.inference_mode():
         ref = model(ids).logits
     calls = []
@@ -123,6 +119,6 @@ def test_a_layout_change_inside_inference_mode_keeps_weights_trainable_and_track
     with torch.no_grad():
         model.model.layers[0].mlp.up_proj.weight.mul_(2.0)
         reference.model.layers[0].mlp.up_proj.weight.mul_(2.0)
-    ids = _prompt(4, 7)
+    ids = random_prompt(4, 7)
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)

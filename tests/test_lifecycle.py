@@ -104,7 +104,7 @@ def test_cancel_while_queued_ends_it_without_a_prefill(model):
         other = engine.submit(_prompt(2), max_new_tokens=8)
         queued.cancel()
         assert engine.metrics()["requests_waiting"] == 2 and not queued.done
-        hold.proceed.set()
+        hold.opened.set()
         r = queued.result(timeout=TIMEOUT)
         assert (r.finish_reason, r.tokens, r.error) == ("cancelled", [], None)
         assert _deltas(queued) == [Delta([], None, True, "cancelled")]
@@ -156,7 +156,7 @@ def test_close_with_requests_in_flight_cancels_each_and_says_so(model):
             assert go_on.wait(TIMEOUT)
 
     running[0].on_delta(on_delta)
-    hold.proceed.set()
+    hold.opened.set()
     assert between_steps.wait(TIMEOUT)
     queued = [engine.submit(_prompt(i), max_new_tokens=10) for i in (2, 3)]
     engine.close(timeout=0)  # the loop stops after the step it is in
@@ -238,7 +238,7 @@ def test_a_failed_step_fails_the_rows_in_it_and_the_queue_is_served(model, monke
         _, hold = _held(engine)
         failed = [engine.submit(_prompt(i), max_new_tokens=20) for i in (1, 2)]
         queued = engine.submit(_prompt(3), max_new_tokens=12, strategies=[PromptLookup()])
-        hold.proceed.set()
+        hold.opened.set()
         for i, h in zip((1, 2), failed):
             r = h.result(timeout=TIMEOUT)
             assert r.finish_reason == "error" and "RuntimeError: verify exploded" in r.error
@@ -268,13 +268,13 @@ def test_a_failed_prefill_fails_only_its_request(model, failure):
         running = engine.submit(_prompt(0), max_new_tokens=40)
         inner = gate()
         engine.submit(_prompt(6)[:9], max_new_tokens=1, strategies=[inner])
-        outer.proceed.set()
+        outer.opened.set()
         assert inner.entered.wait(TIMEOUT)  # `running` is admitted with the inner gate, which holds the loop
         bad = engine.submit(_prompt(1), max_new_tokens=20, strategies=[strategy()])
         plain = engine.submit(_prompt(2), max_new_tokens=20)
         snap = engine.submit(_prompt(3), max_new_tokens=20, strategies=[SnapKV(**SNAP)])
         sampled = engine.submit(_prompt(4), max_new_tokens=20, temperature=1.0, seed=5)
-        inner.proceed.set()  # the four above are prefilled together, while `running` is live
+        inner.opened.set()  # the four above are prefilled together, while `running` is live
         r = bad.result(timeout=TIMEOUT)
         assert (r.finish_reason, r.tokens) == ("error", []) and message in r.error
         assert _deltas(bad) == [Delta([], None, True, "error")]
@@ -308,7 +308,7 @@ def test_max_new_tokens_zero_ends_at_once(model):
         called: list[Delta | None] = []
         quiet = engine.submit(_prompt(4), max_new_tokens=0)
         quiet.on_delta(called.append)
-        hold.proceed.set()
+        hold.opened.set()
         r = zero.result(timeout=TIMEOUT)
         assert (r.finish_reason, r.tokens, r.error, r.prompt_tokens) == ("length", [], None, LENGTHS[2])
         assert _deltas(zero) == [Delta([], None, True, "length")]
@@ -382,7 +382,7 @@ def test_cancel_metrics_and_on_delta_racing_the_steps(model):
         threads += [threading.Thread(target=consume, args=(i,)) for i in range(n)]
         for t in threads:
             t.start()
-        hold.proceed.set()
+        hold.opened.set()
         barrier.wait(TIMEOUT)
         for i in cancel_by_main:
             handles[i].cancel()

@@ -16,9 +16,7 @@ from accel.kernels import invariance, lowbit
 from helpers import TINY_VOCAB, make_tiny_model, make_tiny_tokenizer
 from snapkv import SnapKV
 from speculative import Medusa, PromptLookup
-from test_batch import _left_padded
-from test_medusa import random_heads
-from test_speculative import Scripted, _prompt
+from helpers import Scripted, random_heads, left_padded, repetitive_prompt
 
 HAS_INT8 = hasattr(torch.ops.aten, "_weight_int8pack_mm")
 HAS_INT4 = hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and \
@@ -295,8 +293,8 @@ def test_greedy_drafting_equals_plain_decoding_of_the_quantized_model(scheme, tm
     model = _shared(scheme)
     rows = invariance.verify_rows(model)
     assert rows in invariance.CANDIDATES and invariance.is_exact(model)
-    prompts = [_prompt(s, n)[0] for s, n in ((1, 40), (2, 23), (3, 51))]
-    ids, mask = _left_padded(prompts)
+    prompts = [repetitive_prompt(s, n)[0] for s, n in ((1, 40), (2, 23), (3, 51))]
+    ids, mask = left_padded(prompts)
     random_heads(seed=3, std=1.0).save_pretrained(tmp_path)
     for strategies in ([PromptLookup()], [Medusa(heads=str(tmp_path), max_nodes=8)]):
         out, same = _equal_rows(model, ids, strategies, mask)  # a batch of three
@@ -309,7 +307,7 @@ def test_greedy_drafting_equals_plain_decoding_of_the_quantized_model(scheme, tm
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_snapkv_reads_the_queries_of_quantized_projections(scheme):
     model = _shared(scheme)
-    ids = _prompt(4, 60)
+    ids = repetitive_prompt(4, 60)
     kept = [SnapKV(budget=24, window=4, kernel=3)]
     ref = accel.generate(model, ids, strategies=kept, max_new_tokens=16, eos_token_id=[])
     out = accel.generate(model, ids, strategies=kept + [PromptLookup()], max_new_tokens=16, eos_token_id=[])
@@ -320,7 +318,7 @@ def test_snapkv_reads_the_queries_of_quantized_projections(scheme):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_plain_accel_equals_model_generate_on_the_quantized_model(scheme):
     model = _shared(scheme)
-    ids = _prompt(5, 30)
+    ids = repetitive_prompt(5, 30)
     ours = accel.generate(model, ids, strategies=[], max_new_tokens=16, eos_token_id=[]).sequences
     theirs = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
                             eos_token_id=None, pad_token_id=0)
@@ -339,7 +337,7 @@ def test_a_quantized_path_that_fails_its_probe_is_labelled_approximate():
     with pytest.warns(RuntimeWarning, match=r"int8 \(torch.bfloat16 activations\) verification .* is approximate"):
         assert invariance.verify_rows(model) == 1
     assert not invariance.is_exact(model)
-    out = accel.generate(model, _prompt(2, 30), strategies=[PromptLookup()], max_new_tokens=6, eos_token_id=[])
+    out = accel.generate(model, repetitive_prompt(2, 30), strategies=[PromptLookup()], max_new_tokens=6, eos_token_id=[])
     assert not out.stats.exact_verify and "approximate" in out.stats.summary()
 
 
@@ -440,7 +438,8 @@ def test_bench_schema_takes_quantize_and_precisions(tmp_path):
 @pytest.mark.skipif(not (HAS_INT8 and HAS_INT4), reason="this torch build lacks an int8 or int4 weight kernel")
 def test_bench_runs_every_configuration_on_every_precision(tmp_path):
     from accel.bench import load_config, run_experiment
-    from test_bench import CharTokenizer, _write
+    from helpers import CharTokenizer
+    from test_bench import _write
 
     data = {"tasks": [{"kind": "chat", "prompts": 2}], "baselines": ["hf_generate"],
             "runs": {"plain": [], "lookup": ["prompt_lookup"]}, "precisions": ["float32", "int8", "int4"],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import accel
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import TINY_VOCAB, CharTokenizer, make_tiny_model, make_tiny_tokenizer
 from speculative import Medusa, MedusaHeads
 from speculative.medusa import CONFIG_NAME, WEIGHTS_NAME
 from speculative.train import (
@@ -25,32 +25,6 @@ from speculative.train import (
     self_prompts,
     train_heads,
 )
-
-
-class CharTokenizer:
-    """Just enough tokenizer for the tiny models: one id per character, a fake chat template."""
-
-    pad_token_id = 0
-    eos_token_id = 1
-    padding_side = "right"
-
-    def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=False):
-        return "".join(f"[{m['role']}]{m['content']}" for m in messages) + ("[assistant]" if add_generation_prompt else "")
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"w{i}" for i in ids if not (skip_special_tokens and i in (0, 1)))
-
-    def __call__(self, texts, return_tensors="pt", padding=True, add_special_tokens=False):
-        rows = [[2 + ord(c) % (TINY_VOCAB - 2) for c in t] for t in texts]
-        n = max(map(len, rows))
-        ids = torch.zeros(len(rows), n, dtype=torch.long)
-        mask = torch.zeros(len(rows), n, dtype=torch.long)
-        for i, r in enumerate(rows):
-            if self.padding_side == "left":
-                ids[i, n - len(r):], mask[i, n - len(r):] = torch.tensor(r), 1
-            else:
-                ids[i, : len(r)], mask[i, : len(r)] = torch.tensor(r), 1
-        return {"input_ids": ids, "attention_mask": mask}
 
 
 PROMPTS = [f"tell me about thing number {i} and why it matters" for i in range(12)]
@@ -183,10 +157,11 @@ def test_train_heads_pipeline_writes_heads_and_resumes_exactly(tmp_path):
         train_heads(_cfg(tmp_path / "other", lr=1e-2), model, tok, prompts=PROMPTS, progress=False)
 
     # the trained heads draft, and decoding stays exact
-    ids = torch.tensor([tok(["[user]tell me about thing number 3 and why it matters[assistant]"])["input_ids"][0].tolist()])
+    ids = tok(tok.apply_chat_template([{"role": "user", "content": PROMPTS[3]}]), return_tensors="pt")["input_ids"]
     ref = accel.generate(model, ids, max_new_tokens=20, eos_token_id=[])
     out = accel.generate(model, ids, strategies=[Medusa(heads=str(tmp_path / "full"))], max_new_tokens=20, eos_token_id=[])
     assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.drafted_tokens > 0 and out.stats.accepted_tokens > 0
 
 
 def test_shipped_prompt_sets_are_disjoint_from_each_other_and_the_benchmark():
@@ -216,7 +191,7 @@ def test_cli_options_reach_the_config(tmp_path):
 
 
 def test_self_written_prompts_are_seeded_distinct_and_leave_the_global_rng_alone():
-    model, tok = make_tiny_model(seed=5), CharTokenizer()
+    model, tok = make_tiny_model(seed=5), make_tiny_tokenizer()
     rng = torch.random.get_rng_state()
     first = self_prompts(model, tok, 6, seed=1, batch_size=16, max_tokens=32)
     assert torch.equal(torch.random.get_rng_state(), rng)
@@ -234,13 +209,13 @@ def test_self_written_prompts_are_seeded_distinct_and_leave_the_global_rng_alone
 
 
 def test_self_written_prompts_fail_clearly_when_the_model_never_closes_a_usable_turn():
-    model, tok = make_tiny_model(seed=5), CharTokenizer()
+    model, tok = make_tiny_model(seed=5), make_tiny_tokenizer()
     with pytest.raises(ValueError, match="only 0 usable prompts"):
         self_prompts(model, tok, 3, batch_size=4, max_tokens=2)  # <= 1 word before the end of turn: none usable
 
 
 def test_train_heads_adds_and_caches_self_written_prompts(tmp_path):
-    model, tok = make_tiny_model(seed=33), CharTokenizer()
+    model, tok = make_tiny_model(seed=33), make_tiny_tokenizer()
     cfg = _cfg(tmp_path, self_prompts=4, epochs=1)
     heads = train_heads(cfg, model, tok, prompts=PROMPTS, progress=False)
     assert heads.info["training"]["sequences"] == len(PROMPTS) + 4

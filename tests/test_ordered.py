@@ -93,11 +93,19 @@ def test_a_node_gets_the_plain_steps_numbers_bit_for_bit(gather, monkeypatch):
                        tree_out[0, 4])
 
 
-def test_probe_passes_on_this_machine_or_ordered_is_off():
+def test_the_probe_catches_a_batch_dependent_product_and_ordered_attention_follows_it(monkeypatch):
     from accel.kernels import invariance
     from helpers import make_tiny_model
 
+    # a product that gives a matrix other numbers when other matrices share its batch
+    mm = ordered._mm
+    monkeypatch.setattr(ordered, "_mm", lambda a, b: mm(a, b) + (1e-3 if a.shape[0] > 1 else 0.0))
+    assert not ordered.probe.__wrapped__(64, 3)  # (uncached)
+    monkeypatch.setattr(ordered, "_mm", mm)
+    # low precision runs ordered attention exactly where the probe passes; float32 never
     model = make_tiny_model(seed=2, hidden_size=192, num_attention_heads=3, num_kv_heads=1,
                             intermediate_size=512).to(torch.bfloat16)
-    assert invariance.ordered(model) == ordered.probe(64, 3)
-    assert not invariance.ordered(make_tiny_model(seed=2))  # float32 runs sdpa
+    for verdict in (True, False):
+        monkeypatch.setattr(invariance, "_ordered_probe", lambda head_dim, groups: verdict)
+        assert invariance.ordered(model) == verdict
+        assert not invariance.ordered(make_tiny_model(seed=2))  # float32 runs sdpa

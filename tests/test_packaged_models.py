@@ -21,7 +21,8 @@ import torch
 import accel
 from accel.bench.schema import NeedleTask
 from accel.bench.tasks import _needle_items, score
-from accel.models import ModelNotAvailableError, chat_ids, load_shared
+from accel.models import chat_ids
+from helpers import left_padded, load_packaged
 from snapkv import SnapKV
 from speculative import PromptLookup
 
@@ -62,13 +63,6 @@ SPECULATIVE = {GEMMA: [("plain", "prompt_lookup"), ("snapkv", "snapkv+prompt_loo
 BATCHED = {GEMMA: ["plain", "prompt_lookup", "snapkv+prompt_lookup"], QWEN: ["plain", "prompt_lookup"]}
 
 
-def _load(name: str):
-    try:
-        return load_shared(name, torch.float32, "cpu")
-    except ModelNotAvailableError as err:
-        pytest.skip(str(err))
-
-
 def _prompt_ids(name: str, tok, prompt: str) -> torch.Tensor:
     if name == GEMMA:
         return tok(prompt, return_tensors="pt").input_ids  # <bos> + text
@@ -82,7 +76,7 @@ def _alone(name: str, i: int, kind: str):
     """``accel.generate`` on prompt i alone (memoised across tests)."""
     key = (name, i, kind)
     if key not in _RUNS:
-        model, tok = _load(name)
+        model, tok = load_packaged(name)
         ids = _prompt_ids(name, tok, PROMPTS[name][i])
         _RUNS[key] = accel.generate(model, ids, strategies=_strategies(kind), max_new_tokens=NEW, tokenizer=tok)
     return _RUNS[key]
@@ -92,7 +86,7 @@ def _alone(name: str, i: int, kind: str):
 
 
 def test_gemma3_is_a_sliding_window_causal_lm_that_writes_sensible_text():
-    model, tok = _load(GEMMA)
+    model, tok = load_packaged(GEMMA)
     assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.model_type == "gemma3_text"
     types = model.config.layer_types
     assert len(types) == model.config.num_hidden_layers == 18
@@ -117,7 +111,7 @@ def test_gemma3_is_a_sliding_window_causal_lm_that_writes_sensible_text():
 @pytest.mark.parametrize("i", range(3))
 @pytest.mark.parametrize("name", MODELS)
 def test_plain_decoding_equals_model_generate(name, i):
-    model, tok = _load(name)
+    model, tok = load_packaged(name)
     ids = _prompt_ids(name, tok, PROMPTS[name][i])
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW)
     res = _alone(name, i, "plain")
@@ -137,13 +131,10 @@ def test_speculative_decoding_is_greedy_on_the_same_cache(name):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_batch_of_three_prompts_equals_row_by_row(name):
-    model, tok = _load(name)
+    model, tok = load_packaged(name)
     rows = [_prompt_ids(name, tok, p)[0] for p in PROMPTS[name]]
-    n = max(len(r) for r in rows)
-    ids = torch.full((len(rows), n), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, n - len(r):], mask[i, n - len(r):] = r, 1
+    ids, mask = left_padded(rows, tok.pad_token_id)
+    n = ids.shape[1]
     for kind in BATCHED[name]:
         batch = accel.generate(model, ids, attention_mask=mask, strategies=_strategies(kind), max_new_tokens=NEW,
                                tokenizer=tok)
@@ -190,7 +181,7 @@ def _needles(name: str, tok):
 
 @pytest.mark.parametrize("name", MODELS)
 def test_needle_found_by_snapkv_wherever_the_full_cache_finds_it(name):
-    model, tok = _load(name)
+    model, tok = load_packaged(name)
     snap = SnapKV(budget=NEEDLE_BUDGET)
     found: dict[str, list[bool]] = {"full": [], "snapkv": []}
     report = []
@@ -225,10 +216,7 @@ def test_qwen_in_bf16_drafting_is_exact_with_ordered_attention():
     # a real model in bfloat16: ordered attention, claimed exact, prompt lookup equal to plain bf16
     from accel.kernels import invariance
 
-    try:
-        model, tok = load_shared(QWEN, torch.bfloat16, "cpu")
-    except ModelNotAvailableError as err:
-        pytest.skip(str(err))
+    model, tok = load_packaged(QWEN, torch.bfloat16)
     assert invariance.ordered(model) and invariance.is_exact(model)
     for prompt in PROMPTS[QWEN]:
         ids = _prompt_ids(QWEN, tok, prompt)

@@ -15,7 +15,7 @@ from accel.calibration.cost_model import CostTable, sharing_pays
 from accel.engine import Batch, plan_strategies
 from accel.serving.prefix import PrefixStore
 from accel.serving.service import DEFAULT_PREFIX_CACHE_MB
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import TINY_VOCAB, alone_tokens, make_tiny_model
 from snapkv import SnapKV
 from speculative import PromptLookup
 
@@ -25,12 +25,6 @@ SYSTEM = torch.randint(2, TINY_VOCAB, (20,), generator=torch.Generator().manual_
 def _prompt(i: int, n: int) -> torch.Tensor:
     """The shared 20-token 'system turn', then ``n`` tokens of prompt ``i``."""
     return torch.cat([SYSTEM, torch.randint(2, TINY_VOCAB, (n,), generator=torch.Generator().manual_seed(i))])
-
-
-def _alone(model, prompt, new, strategies=(), **kw):
-    out = accel.generate(model, prompt.unsqueeze(0), strategies=list(strategies), max_new_tokens=new,
-                         eos_token_id=[], **kw)
-    return out.sequences[0, prompt.numel():].tolist()
 
 
 @pytest.fixture(scope="module")
@@ -150,14 +144,14 @@ def test_engine_reuses_prefixes_and_every_request_gets_its_alone_tokens(model):
              _prompt(23, 9)]
     strategies = [[], [], [PromptLookup()], [], [SnapKV(budget=16, window=4)]]  # the SnapKV row prefills whole
     with accel.Engine(model, max_batch=8, eos_token_id=[]) as engine:
-        assert engine.submit(first, max_new_tokens=10).result(timeout=60).tokens == _alone(model, first, 10)
+        assert engine.submit(first, max_new_tokens=10).result(timeout=60).tokens == alone_tokens(model, first, 10)
         handles = [engine.submit(p, max_new_tokens=10, strategies=s) for p, s in zip(later, strategies)]
         results = [h.result(timeout=60) for h in handles]
         sampled = engine.submit(_prompt(24, 5), max_new_tokens=10, temperature=0.8, seed=3).result(timeout=60)
         m = engine.metrics()
     for p, s, r in zip(later, strategies, results):
-        assert r.tokens == _alone(model, p, 10, s)
-    assert sampled.tokens == _alone(model, _prompt(24, 5), 10, temperature=0.8, seed=3)
+        assert r.tokens == alone_tokens(model, p, 10, s)
+    assert sampled.tokens == alone_tokens(model, _prompt(24, 5), 10, temperature=0.8, seed=3)
     cached = [r.stats.cached_prompt_tokens for r in results]
     assert cached[0] == first.numel() - 1  # the same prompt again
     assert cached[1] == cached[2] == 20  # the shared system turn
@@ -219,9 +213,9 @@ def test_prompts_admitted_together_share_their_common_prefix_when_it_pays(model)
     prompts = [torch.cat([document, torch.tensor([3 + i, 4, 5 + i])]) for i in range(3)]
     prompts.append(_prompt(51, 4))  # shares nothing with them
     rows, store = _admit_together(model, prompts, _table(fixed=5.0, per_token=2.0))
-    assert [r.generated for r in rows] == [_alone(model, p, 8) for p in prompts]
+    assert [r.generated for r in rows] == [alone_tokens(model, p, 8) for p in prompts]
     assert [r.stats.cached_prompt_tokens for r in rows] == [document.numel()] * 3 + [0]
     assert store.hits == 3
     rows, store = _admit_together(model, prompts, _table(fixed=40.0, per_token=0.1))  # an extra pass costs more
-    assert [r.generated for r in rows] == [_alone(model, p, 8) for p in prompts]
+    assert [r.generated for r in rows] == [alone_tokens(model, p, 8) for p in prompts]
     assert store.hits == 0 and [r.stats.cached_prompt_tokens for r in rows] == [0] * 4

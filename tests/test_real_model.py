@@ -5,9 +5,9 @@ import torch
 
 import accel
 from accel.models import chat_ids
+from helpers import Scripted, left_padded
 from snapkv import SnapKV
 from speculative import PromptLookup
-from test_speculative import Scripted
 
 pytestmark = pytest.mark.real_model
 
@@ -59,11 +59,7 @@ def test_drafters_keep_greedy_output(default_model, chats, compressed):
                          ids=["plain", "prompt_lookup", "snapkv+prompt_lookup"])
 def test_batch_of_four_chat_prompts_equals_row_by_row(default_model, chats, strategies):
     model, tok = default_model
-    n = max(c.shape[1] for c in chats)
-    ids = torch.full((len(chats), n), tok.pad_token_id, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, c in enumerate(chats):
-        ids[i, n - c.shape[1]:], mask[i, n - c.shape[1]:] = c[0], 1
+    ids, mask = left_padded(chats, tok.pad_token_id)
     batch = accel.generate(model, ids, attention_mask=mask, strategies=strategies, max_new_tokens=40, tokenizer=tok)
     for i, c in enumerate(chats):
         alone = accel.generate(model, c, strategies=strategies, max_new_tokens=40, tokenizer=tok)

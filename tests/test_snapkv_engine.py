@@ -7,13 +7,9 @@ import accel
 from accel import adapter
 from accel.cache import SharedCache
 from accel.steps import prefill
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import TINY_VOCAB, make_tiny_model, random_prompt
 from snapkv import H2O, SnapKV, StreamingLLM
 from snapkv.scoring import snapkv_indices
-
-
-def _ids(n, seed=0):
-    return torch.randint(2, TINY_VOCAB, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("strategy", [SnapKV(budget=20, window=4, kernel=3), StreamingLLM(sink=4, recent=16),
@@ -22,7 +18,7 @@ def test_each_layer_holds_exactly_budget_entries_per_kv_head(strategy):
     model = make_tiny_model(num_kv_heads=2)
     cache = SharedCache(adapter.geometry(model).num_layers)
     with torch.inference_mode():
-        prefill(model, cache, _ids(64), strategy)
+        prefill(model, cache, random_prompt(0, 64), strategy)
     for layer in range(cache.num_layers):
         assert cache.keys(layer).shape == (1, 2, 20, 16)
         assert cache.physical_length(layer) == 20
@@ -32,7 +28,7 @@ def test_each_layer_holds_exactly_budget_entries_per_kv_head(strategy):
 def test_kept_entries_are_the_snapkv_selection():
     """The cache holds exactly the keys SnapKV scores highest, computed from the layer's own queries."""
     model = make_tiny_model(seed=2)
-    ids = _ids(50, seed=3)
+    ids = random_prompt(3, 50)
     strat = SnapKV(budget=12, window=4, kernel=3)
     full, snap, probe = SharedCache(2), SharedCache(2), SharedCache(2)
     positions = torch.arange(50).unsqueeze(0)
@@ -52,7 +48,7 @@ def test_kept_entries_are_the_snapkv_selection():
 
 def test_budget_at_least_prompt_length_is_identical_to_no_strategy():
     model = make_tiny_model(seed=4)
-    ids = _ids(30, seed=5)
+    ids = random_prompt(5, 30)
     plain = accel.generate(model, ids, max_new_tokens=15, eos_token_id=[])
     same = accel.generate(model, ids, strategies=[SnapKV(budget=30, window=4)], max_new_tokens=15, eos_token_id=[])
     assert torch.equal(plain.sequences, same.sequences)
@@ -61,7 +57,7 @@ def test_budget_at_least_prompt_length_is_identical_to_no_strategy():
 
 def test_kv_bytes_full_and_kept():
     model = make_tiny_model()
-    ids = _ids(100, seed=6)
+    ids = random_prompt(6, 100)
     res = accel.generate(model, ids, strategies=[SnapKV(budget=24, window=4)], max_new_tokens=11, eos_token_id=[])
     per_token = 2 * 2 * 2 * 16 * 4  # layers * (K, V) * kv heads * head_dim * fp32
     # the last generated token is never fed back, so 100 + 10 tokens have KV
@@ -71,7 +67,7 @@ def test_kv_bytes_full_and_kept():
 
 def test_compression_works_with_eager_attention():
     model = make_tiny_model(seed=7, attn_implementation="eager")
-    ids = _ids(40, seed=8)
+    ids = random_prompt(8, 40)
     sdpa = make_tiny_model(seed=7)
     a = accel.generate(model, ids, strategies=[SnapKV(budget=16, window=4)], max_new_tokens=12, eos_token_id=[])
     b = accel.generate(sdpa, ids, strategies=[SnapKV(budget=16, window=4)], max_new_tokens=12, eos_token_id=[])
@@ -80,7 +76,7 @@ def test_compression_works_with_eager_attention():
 
 def test_ratio_keeps_that_fraction():
     model = make_tiny_model()
-    res = accel.generate(model, _ids(80), strategies=[SnapKV(ratio=0.25, window=4)], max_new_tokens=1, eos_token_id=[])
+    res = accel.generate(model, random_prompt(0, 80), strategies=[SnapKV(ratio=0.25, window=4)], max_new_tokens=1, eos_token_id=[])
     assert res.stats.kv_bytes_kept * 4 == res.stats.kv_bytes_full
 
 
@@ -95,7 +91,7 @@ def test_ada_snapkv_stores_uneven_heads_with_padding_masked_out():
     from snapkv import AdaSnapKV
 
     model = make_tiny_model(seed=8)
-    ids = _ids(96, seed=9)
+    ids = random_prompt(9, 96)
     strat = AdaSnapKV(budget=24, window=4, kernel=3, alpha=0.2)
     cache = _ada_cache(model, ids, strat)
     assert cache.ragged
@@ -134,7 +130,7 @@ def test_ada_with_full_floor_equals_snapkv():
     from snapkv import AdaSnapKV
 
     model = make_tiny_model(seed=10)
-    ids = _ids(80, seed=11)
+    ids = random_prompt(11, 80)
     a = accel.generate(model, ids, strategies=[AdaSnapKV(budget=20, window=4, kernel=3, alpha=1.0)], max_new_tokens=12, eos_token_id=[])
     s = accel.generate(model, ids, strategies=[SnapKV(budget=20, window=4, kernel=3)], max_new_tokens=12, eos_token_id=[])
     assert torch.equal(a.sequences, s.sequences)

@@ -2,68 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
 import pytest
 import torch
 
 import accel
-from accel.strategy import DraftContext, DraftProposal, Drafter
-from helpers import TINY_VOCAB, make_tiny_model
+from accel.strategy import DraftContext, DraftProposal
+from helpers import Scripted, generate_alone, make_tiny_model, repetitive_prompt
 from snapkv import SnapKV
 from speculative import PromptLookup
-
-
-class Scripted(Drafter):
-    """Test drafter. mode: 'random' tokens in a random tree, the 'oracle' continuation, the
-    continuation 'right_then_wrong' after k tokens, or 'empty' proposals."""
-
-    name: ClassVar[str] = "scripted_test"
-    mode: str = "oracle"
-    k: int = 3
-    size: int = 6
-    reference: tuple[int, ...] = ()
-
-    def start(self, model: Any, prompt: torch.Tensor) -> dict:
-        return {"gen": torch.Generator().manual_seed(len(prompt)), "feedback": []}
-
-    def propose(self, state: dict, ctx: DraftContext) -> DraftProposal | None:
-        n = min(self.size, ctx.max_tokens)
-        if self.mode == "empty":
-            return None if len(ctx.tokens) % 2 else DraftProposal(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
-        if self.mode == "random":
-            tokens = torch.randint(0, TINY_VOCAB, (n,), generator=state["gen"])
-            parents = torch.tensor([int(torch.randint(0, i + 1, (1,), generator=state["gen"])) for i in range(n)])
-            return DraftProposal(tokens, parents)
-        pos = len(ctx.tokens)
-        truth = list(self.reference[pos : pos + n])
-        if not truth:
-            return None
-        if self.mode == "right_then_wrong":
-            truth = truth[: self.k] + [(t + 1) % TINY_VOCAB for t in truth[self.k :]]
-        return DraftProposal(torch.tensor(truth), torch.arange(len(truth)))
-
-    def feedback(self, state: dict, proposed: int, accepted: int) -> None:
-        state["feedback"].append((proposed, accepted))
-
-
-def _prompt(seed: int, n: int) -> torch.Tensor:
-    # a repetitive prompt, so prompt lookup finds matches
-    base = torch.randint(2, TINY_VOCAB, (max(4, n // 3),), generator=torch.Generator().manual_seed(seed))
-    return base.repeat(4)[:n].unsqueeze(0)
-
-
-def _reference(model, ids, new, strategies=()):
-    return accel.generate(model, ids, strategies=list(strategies), max_new_tokens=new, eos_token_id=[]).sequences
 
 
 @pytest.mark.parametrize("mode", ["random", "oracle", "right_then_wrong", "empty"])
 @pytest.mark.parametrize("compressed", [False, True])
 def test_greedy_output_is_unchanged_by_any_drafter(mode, compressed):
     model = make_tiny_model(seed=11)
-    ids = _prompt(1, 48)
+    ids = repetitive_prompt(1, 48)
     base = [SnapKV(budget=16, window=4, kernel=3)] if compressed else []
-    ref = _reference(model, ids, 30, base)
+    ref = generate_alone(model, ids, 30, base).sequences
     drafter = Scripted(mode=mode, reference=tuple(ref[0].tolist()))
     out = accel.generate(model, ids, strategies=base + [drafter], max_new_tokens=30, eos_token_id=[])
     assert torch.equal(out.sequences, ref)
@@ -76,18 +31,18 @@ def test_greedy_output_is_unchanged_by_any_drafter(mode, compressed):
 def test_compressed_reference_differs_from_full():
     # the SnapKV case above is a real test only if compression changes the output
     model = make_tiny_model(seed=11)
-    ids = _prompt(1, 48)
-    full = _reference(model, ids, 30)
-    snap = _reference(model, ids, 30, [SnapKV(budget=16, window=4, kernel=3)])
+    ids = repetitive_prompt(1, 48)
+    full = generate_alone(model, ids, 30).sequences
+    snap = generate_alone(model, ids, 30, [SnapKV(budget=16, window=4, kernel=3)]).sequences
     assert not torch.equal(full, snap)
 
 
 @pytest.mark.parametrize("compressed", [False, True])
 def test_prompt_lookup_is_exact_and_accepts_on_repetitive_text(compressed):
     model = make_tiny_model(seed=12)
-    ids = _prompt(2, 60)
+    ids = repetitive_prompt(2, 60)
     base = [SnapKV(budget=24, window=4, kernel=3)] if compressed else []
-    ref = _reference(model, ids, 40, base)
+    ref = generate_alone(model, ids, 40, base).sequences
     out = accel.generate(model, ids, strategies=base + [PromptLookup(num_tokens=6, branches=3)],
                          max_new_tokens=40, eos_token_id=[])
     assert torch.equal(out.sequences, ref)
@@ -96,8 +51,8 @@ def test_prompt_lookup_is_exact_and_accepts_on_repetitive_text(compressed):
 
 def test_composed_drafters_are_exact():
     model = make_tiny_model(seed=13)
-    ids = _prompt(3, 40)
-    ref = _reference(model, ids, 25)
+    ids = repetitive_prompt(3, 40)
+    ref = generate_alone(model, ids, 25).sequences
     strategies = [PromptLookup(num_tokens=4), Scripted(mode="random", size=5), Scripted(mode="right_then_wrong", k=2, reference=tuple(ref[0].tolist()))]
     out = accel.generate(model, ids, strategies=strategies, max_new_tokens=25, eos_token_id=[])
     assert torch.equal(out.sequences, ref)
@@ -105,8 +60,8 @@ def test_composed_drafters_are_exact():
 
 def test_mean_accepted_for_a_scripted_drafter():
     model = make_tiny_model(seed=14)
-    ids = _prompt(4, 20)
-    ref = _reference(model, ids, 41)
+    ids = repetitive_prompt(4, 20)
+    ref = generate_alone(model, ids, 41).sequences
     drafter = Scripted(mode="right_then_wrong", k=2, size=4, reference=tuple(ref[0].tolist()))
     out = accel.generate(model, ids, strategies=[drafter], max_new_tokens=41, eos_token_id=[])
     assert torch.equal(out.sequences, ref)
@@ -119,7 +74,7 @@ def test_mean_accepted_for_a_scripted_drafter():
 
 def test_sampling_with_drafters_is_reproducible():
     model = make_tiny_model(seed=15)
-    ids = _prompt(5, 30)
+    ids = repetitive_prompt(5, 30)
     kw = dict(strategies=[PromptLookup()], max_new_tokens=20, temperature=0.8, seed=3, eos_token_id=[])
     assert torch.equal(accel.generate(model, ids, **kw).sequences, accel.generate(model, ids, **kw).sequences)
 
@@ -127,8 +82,8 @@ def test_sampling_with_drafters_is_reproducible():
 def test_drafter_with_top_k_1_sampling_equals_greedy():
     # top_k=1 makes the target a point mass: lossless sampling must then reproduce greedy output
     model = make_tiny_model(seed=16)
-    ids = _prompt(6, 40)
-    ref = _reference(model, ids, 30)
+    ids = repetitive_prompt(6, 40)
+    ref = generate_alone(model, ids, 30).sequences
     out = accel.generate(model, ids, strategies=[PromptLookup(), Scripted(mode="random")], max_new_tokens=30,
                          temperature=1.0, top_k=1, seed=0, eos_token_id=[])
     assert torch.equal(out.sequences, ref)
@@ -141,7 +96,7 @@ def test_packed_gqa_attention_matches_sdpa_and_is_restored():
     from accel.tree import DraftTree
 
     model = make_tiny_model(seed=17)  # 4 query heads on 2 KV heads
-    ids = _prompt(7, 30)
+    ids = repetitive_prompt(7, 30)
     tree = DraftTree.from_proposal(5, DraftProposal(torch.tensor([6, 7, 8, 9]), torch.tensor([0, 1, 0, 3])))
     outs = []
     for packed in (False, True):
