@@ -325,16 +325,19 @@ class Batch:
         rest = [(r, m) for r, ok, m in zip(rows, reusable, matches) if ok]
         parts: list[tuple[list[Row], SharedCache, torch.Tensor]] = []
         latest: dict[int, dict[int, torch.Tensor]] = {}  # id(row) -> its last prompt queries, for eviction
+        kept: dict[int, dict[int, torch.Tensor]] = {}  # id(row) -> layer -> prompt positions kept per head
         if whole:
             fresh = SharedCache(self.geo.num_layers, self.windows)
             captured: dict[int, torch.Tensor] = {}
+            selected: dict[tuple[int, int], torch.Tensor] = {}
             hidden = prefill(self.model, fresh, [r.prompt for r in whole], [r.plan.compressor for r in whole],
-                             captured)
+                             captured, selected)
             for b, r in enumerate(whole):
                 c = r.plan.compressor
                 if c is not None and c.decode_limit() is not None and c.decode_window():
                     latest[id(r)] = maintenance.prompt_queries(captured, b, int(r.prompt.numel()), c.decode_window())
-            del captured
+                kept[id(r)] = {layer: idx for (row, layer), idx in selected.items() if row == b}
+            del captured, selected
             parts.append((whole, fresh, hidden))
         if rest:
             fresh = SharedCache(self.geo.num_layers, self.windows)
@@ -371,7 +374,7 @@ class Batch:
         self.rows.extend(rows)
         for i, row in enumerate(rows):
             row.upkeep = maintenance.start(row.plan.compressor, row.plan.quantizer, self.cache, first + i,
-                                           latest.get(id(row)))
+                                           row.tokens, latest.get(id(row)), kept.get(id(row)))
 
     def _share_within(self, rows: list[Row]) -> None:
         """When admitted prompts share a prefix the store does not hold (a burst of requests
@@ -445,15 +448,6 @@ class Batch:
             accs.append(acc)
             start = end
         commit(self.cache, accs)
-        for b, (row, acc) in enumerate(zip(rows, accs)):
-            up = row.upkeep
-            if up is None:
-                continue
-            if captured:
-                up.record(captured, b, acc.path, lengths[b])
-            event = up.next_event
-            if event is not None and self.cache.logical_lengths[b] >= event:
-                up.run(self.cache, b)
         elapsed = time.perf_counter() - t0
         self._judge(trees, accs, elapsed)
         for b, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
@@ -477,6 +471,20 @@ class Batch:
                 row.observe(tree, acc, draft_s[b])
             if row.hidden is not None:
                 row.hidden = hidden[b, acc.path[-1]]
+        t1 = time.perf_counter()
+        for b, (row, acc) in enumerate(zip(rows, accs)):  # each row's cache changes where its length calls for
+            up = row.upkeep
+            if up is None or row.error is not None:
+                continue
+            if captured:
+                up.record(captured, b, acc.path, lengths[b])
+            event = up.next_event
+            if event is not None and self.cache.logical_lengths[b] >= event:
+                up.run(self.cache, b, row.tokens)
+        if any(row.upkeep is not None for row in rows):  # the step's time includes its evictions
+            upkeep_s = time.perf_counter() - t1
+            for row in rows:
+                row.stats.decode_s += upkeep_s
         return out
 
     def _judge(self, trees: list[DraftTree], accs: list[Acceptance], elapsed: float) -> None:

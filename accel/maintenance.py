@@ -59,13 +59,17 @@ class Upkeep:
     layers: list[int]  # full-attention layers: the ones evicted and quantized
     compressor: PromptCompressor | None = None  # evicts during decoding (its decode_limit() is set)
     quantizer: KVQuantizer | None = None
-    budget: int = 0
+    budget: int | None = 0  # None: evicted every ``slack`` tokens (the selector's policies decide what stays)
     slack: int = 0
     window: int = 0  # latest queries eviction scores with
     # per layer [H_q, window, D]: slot p % window holds the query of the token at position p
     queries: dict[int, torch.Tensor] = field(default_factory=dict)
     slots: list[int] = field(default_factory=list)  # position held by each slot, -1: none
     evict_at: int | None = None  # logical length at which the row is evicted next
+    # per layer [H_kv, K]: the sequence position of each entry the row held at logical length
+    # ``since`` (its last eviction, or the prefill); entries after them are since, since + 1, ...
+    positions: dict[int, torch.Tensor] = field(default_factory=dict)
+    since: int = 0
     quantize_at: int | None = None  # logical length at which a group fills next
     quantized: dict[int, int] = field(default_factory=dict)  # layer -> columns [0, q) are quantized
     quantized_bytes: dict[int, int] = field(default_factory=dict)  # layer -> bytes a packed store holds for them
@@ -115,12 +119,12 @@ class Upkeep:
         order = torch.tensor([p % self.window for p in range(length - m, length)], device=self.queries[layer].device)
         return self.queries[layer][:, order].unsqueeze(0)
 
-    def run(self, cache: SharedCache, row: int) -> None:
+    def run(self, cache: SharedCache, row: int, tokens: torch.Tensor) -> None:
         """Evict and quantize row ``row`` of ``cache`` as its logical length calls for, then
-        set the next event points."""
+        set the next event points. tokens: LongTensor [>= length] the row's sequence."""
         length = cache.logical_lengths[row]
-        if self.compressor is not None and self.layers and self._held(cache, row) >= self.budget + self.slack:
-            self._evict(cache, row, length)
+        if self.compressor is not None and self.layers and self._due(cache, row, length):
+            self._evict(cache, row, length, tokens)
         if self.quantizer is not None:
             self._quantize(cache, row)
         self._schedule(cache, row, length)
@@ -129,28 +133,51 @@ class Upkeep:
         if not self.layers:
             self.evict_at = self.quantize_at = None
             return
-        if self.compressor is not None:
+        if self.compressor is not None and self.budget is not None:
             self.evict_at = length + max(1, self.budget + self.slack - self._held(cache, row))
         if self.quantizer is not None:
             group = self.quantizer.group_size()
             loose = max(cache.row_lengths(layer)[row] - self.quantized[layer] for layer in self.layers)
             self.quantize_at = length + max(1, group - loose)
 
+    def _due(self, cache: SharedCache, row: int, length: int) -> bool:
+        if self.budget is None:
+            return length >= self.evict_at
+        return self._held(cache, row) >= self.budget + self.slack
+
+    def entry_positions(self, cache: SharedCache, layer: int, row: int) -> torch.Tensor:
+        """[H_kv, n] the sequence position of each of the row's entries in one layer."""
+        held = self.positions[layer]
+        length = cache.logical_lengths[row]
+        new = torch.arange(self.since, length, device=held.device).expand(held.shape[0], length - self.since)
+        out = torch.cat([held, new], dim=1)
+        if out.shape[1] != cache.row_lengths(layer)[row]:
+            raise RuntimeError(f"layer {layer} holds {cache.row_lengths(layer)[row]} entries of row {row}, "
+                               f"its positions say {out.shape[1]}")
+        return out
+
     def _held(self, cache: SharedCache, row: int) -> int:
         """Entries per KV head of the row's fullest layer."""
         return max(cache.entries_per_head(layer, row) for layer in self.layers)
 
-    def _evict(self, cache: SharedCache, row: int, length: int) -> None:
+    def _evict(self, cache: SharedCache, row: int, length: int, tokens: torch.Tensor) -> None:
         for layer in self.layers:
             valid = cache.entry_valid(layer, row)
             queries = self.latest_queries(layer, length) if self.window else None
+            positions = self.entry_positions(cache, layer, row)
             sel = self.compressor.evict(layer, queries, cache.keys(layer, row), cache.values(layer, row),
-                                        None if valid is None else valid.unsqueeze(0))
+                                        None if valid is None else valid.unsqueeze(0), positions.unsqueeze(0),
+                                        tokens[:length])
             if sel is None:
+                self.positions[layer] = positions
                 continue
+            self.positions[layer] = positions.gather(1, sel.indices[0])
             if self.quantizer is not None and self.quantized[layer]:
                 self._keep_frontier(layer, sel.indices, sel.valid)
             cache.evict_row(layer, row, sel.indices, sel.valid)
+        self.since = length
+        if self.budget is None:
+            self.evict_at = length + self.slack
         self.evictions += 1
 
     def _keep_frontier(self, layer: int, indices: torch.Tensor, valid: torch.Tensor | None) -> None:
@@ -204,12 +231,16 @@ def prompt_queries(queries: dict[int, torch.Tensor], b: int, prompt_len: int, wi
 
 
 def start(compressor: PromptCompressor | None, quantizer: KVQuantizer | None, cache: SharedCache, row: int,
-          queries: dict[int, torch.Tensor] | None = None) -> Upkeep | None:
+          tokens: torch.Tensor, queries: dict[int, torch.Tensor] | None = None,
+          kept: dict[int, torch.Tensor] | None = None) -> Upkeep | None:
     """The upkeep of a freshly prefilled row ``row`` of ``cache`` (None when its strategies
     change nothing during decoding); evicts and quantizes it as far as its length calls for.
 
+    tokens: LongTensor [>= prompt length] the row's sequence.
     queries: the row's last prompt queries per layer [H_q, m, D] (:func:`prompt_queries`),
         for a selector that scores eviction with queries.
+    kept: per layer the prompt positions the prefill kept per KV head [H_kv, K] (layers
+        the compressor left whole are missing).
     """
     limit = compressor.decode_limit() if compressor is not None else None
     if limit is None and quantizer is None:
@@ -220,6 +251,16 @@ def start(compressor: PromptCompressor | None, quantizer: KVQuantizer | None, ca
         up.compressor = compressor
         up.budget, up.slack = limit
         up.window = compressor.decode_window()
+        length = cache.logical_lengths[row]
+        up.since = length
+        if up.budget is None:
+            up.evict_at = length + up.slack
+        for layer in layers:
+            got = (kept or {}).get(layer)
+            if got is None:
+                n = cache.row_lengths(layer)[row]
+                got = torch.arange(n).expand(cache.keys(layer, row).shape[1], n)
+            up.positions[layer] = got.to(cache.keys(layer, row).device)
         if up.window:
             up.slots = [-1] * up.window
             length = cache.logical_lengths[row]
@@ -239,6 +280,6 @@ def start(compressor: PromptCompressor | None, quantizer: KVQuantizer | None, ca
     if quantizer is not None:
         up.quantized = {layer: 0 for layer in layers}
         up.quantized_bytes = {layer: 0 for layer in layers}
-    up.run(cache, row)
+    up.run(cache, row, tokens)
     return up
 

@@ -26,7 +26,8 @@ Warp = Callable[[torch.Tensor], torch.Tensor]
 
 def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
             compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
-            queries: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+            queries: dict[int, torch.Tensor] | None = None,
+            kept: dict[tuple[int, int], torch.Tensor] | None = None) -> torch.Tensor:
     """Run B prompts through the model in one forward, filling (and compressing) an empty cache.
 
     prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
@@ -35,6 +36,8 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
     queries: a dict that receives, per layer, the trailing prompt queries the compressors
         scored with, [B, H_q, w, D] (row b's last prompt query at index w - 1; w the largest
         observation window), for eviction during decoding to start from.
+    kept: a dict that receives, per (row, layer) a compressor selected in, the prompt
+        positions kept per KV head [H_kv, K] (padding repeats a head's last).
     Returns the final hidden state at each row's last prompt position, [B, H].
     """
     rows = _prompt_rows(prompts)
@@ -60,8 +63,12 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
             return None
         w = windows[row]
         q = queries[layer][row : row + 1, :, window - w :] if w else None
-        sel = compressor.select(layer, q, keys, values)
-        return None if sel is None else (sel.indices, sel.valid)
+        sel = compressor.select(layer, q, keys, values, rows[row][: keys.shape[2]].unsqueeze(0))
+        if sel is None:
+            return None
+        if kept is not None:
+            kept[(row, layer)] = sel.indices[0]
+        return sel.indices, sel.valid
 
     cache.begin_prefill(lengths, select if any(c is not None for c in compressors) else None)
     ends = torch.tensor(lengths, device=device) if mask is not None else None

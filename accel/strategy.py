@@ -102,22 +102,27 @@ class PromptCompressor(Strategy):
         raise NotImplementedError
 
     def select(
-        self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor
+        self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+        tokens: torch.Tensor | None = None,
     ) -> Selection | None:
         """Entries to keep for one layer, or None to keep all.
 
         queries: [B, H_q, w, D] trailing prompt queries (post-RoPE), or None if w == 0.
         keys, values: [B, H_kv, L, D] the layer's full prompt KV (post-RoPE keys).
+        tokens: LongTensor [B, L] the prompt's token ids (for policies by token kind), or
+            None where the caller has none.
         """
         raise NotImplementedError
 
     # Eviction during decoding (see :mod:`accel.maintenance`): a selector that keeps the
     # cache bounded as generation goes on overrides these three.
 
-    def decode_limit(self) -> tuple[int, int] | None:
+    def decode_limit(self) -> tuple[int | None, int] | None:
         """(budget, slack) of eviction during decoding: once a row holds ``budget + slack``
-        entries per KV head, :meth:`evict` brings it back to ``budget``. None (the default):
-        only the prompt is compressed, the cache grows with the generation."""
+        entries per KV head, :meth:`evict` brings it back to ``budget``; a budget of None
+        calls :meth:`evict` every ``slack`` tokens instead (a selector whose policies decide
+        what stays). None (the default): only the prompt is compressed, the cache grows with
+        the generation."""
         return None
 
     def decode_window(self) -> int:
@@ -125,7 +130,8 @@ class PromptCompressor(Strategy):
         return 0
 
     def evict(self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
-              valid: torch.Tensor | None) -> Selection | None:
+              valid: torch.Tensor | None, positions: torch.Tensor | None = None,
+              tokens: torch.Tensor | None = None) -> Selection | None:
         """Entries one row keeps of one layer during decoding, or None to keep all.
 
         keys, values: [1, H_kv, n, D] the row's committed entries, oldest first.
@@ -134,6 +140,9 @@ class PromptCompressor(Strategy):
         queries: [1, H_q, w, D] the queries of the row's latest w tokens (post-RoPE, oldest
             first, w <= :meth:`decode_window`), or None when the window is 0. The entries of
             those tokens are the last w valid entries of every head.
+        positions: LongTensor [1, H_kv, n] each entry's position in the sequence (padding:
+            its head's last real one); tokens: LongTensor [N] the row's sequence, so
+            ``tokens[positions]`` are the entries' token ids.
         Returns a :class:`Selection` over the n entries (indices ascending per head).
         """
         raise NotImplementedError

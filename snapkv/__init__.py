@@ -1,12 +1,14 @@
 """SnapKV prompt compression and its variants/baselines, as ``accel`` prompt compressors.
 
 Importing the package registers the selectors ``snapkv``, ``ada_snapkv``, ``streaming_llm``
-and ``h2o`` (each with ``decode_budget=`` for eviction during decoding) and ``gear``, which
-quantizes what a selector keeps.
+and ``h2o`` (each with ``decode_budget=`` for eviction during decoding), ``fastgen``
+(per-head policies, applied to generated tokens too) and ``gear``, which quantizes what a
+selector keeps.
 """
 
 from .ada import AdaSnapKV
 from .base import ScoredCompressor
+from .fastgen import FastGen
 from .gear import GEAR
 from .h2o import H2O
 from .scoring import pool_scores, prefix_scores, reduce_gqa, select_topk, snapkv_indices, window_scores
@@ -19,6 +21,7 @@ __all__ = [
     "StreamingLLM",
     "H2O",
     "GEAR",
+    "FastGen",
     "ScoredCompressor",
     "window_scores",
     "pool_scores",

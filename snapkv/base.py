@@ -123,7 +123,8 @@ class ScoredCompressor(PromptCompressor):
     # ------------------------------------------------------------------ selection
 
     def select(
-        self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor
+        self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
+        tokens: torch.Tensor | None = None,
     ) -> Selection | None:
         """Keep ``budget`` entries per KV head: the always-kept ones plus the top-scored rest.
 
@@ -179,7 +180,8 @@ class ScoredCompressor(PromptCompressor):
         return keys.new_zeros(keys.shape[:3], dtype=torch.float32)
 
     def evict(self, layer_idx: int, queries: torch.Tensor | None, keys: torch.Tensor, values: torch.Tensor,
-              valid: torch.Tensor | None) -> Selection | None:
+              valid: torch.Tensor | None, positions: torch.Tensor | None = None,
+              tokens: torch.Tensor | None = None) -> Selection | None:
         """Keep ``decode_budget`` entries per KV head: the pinned ones (:meth:`decode_kept`)
         plus the top-scored rest (:meth:`decode_score`); None when nothing would be dropped."""
         budget = self.decode_budget

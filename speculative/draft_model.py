@@ -295,7 +295,7 @@ class DraftModel(Drafter):
             value = build_strategy(value, where="compress: ")
         if not isinstance(value, Strategy) or not value.compresses_prompt:
             what = getattr(value, "name", None) or type(value).__name__
-            raise ValueError(f"needs a prompt compressor (snapkv, ada_snapkv, streaming_llm, h2o), got {what!r}")
+            raise ValueError(f"needs a prompt compressor (snapkv, ada_snapkv, streaming_llm, h2o, fastgen), got {what!r}")
         return value
 
     @field_serializer("model")

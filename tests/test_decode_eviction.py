@@ -47,6 +47,12 @@ def decode_snapshots(model, prompts, strategies, new: int) -> tuple[list[Row], d
     def keep():
         for b, row in enumerate(batch.rows):
             key = (rows.index(row), batch.cache.logical_lengths[b])
+            if row.upkeep is not None and row.upkeep.compressor is not None:  # positions it tracks are right
+                for layer in row.upkeep.layers:
+                    held = row.upkeep.entry_positions(batch.cache, layer, b)
+                    for h, real in enumerate(_valid(batch.cache, layer, b)):
+                        p = held[h][real]
+                        assert bool((p[1:] > p[:-1]).all()) and int(p[-1]) == key[1] - 1, (key, layer, h)
             snaps[key] = [(batch.cache.keys(layer, b).clone(), batch.cache.values(layer, b).clone(),
                            _valid(batch.cache, layer, b)) for layer in range(batch.cache.num_layers)]
 
@@ -67,9 +73,12 @@ def decode_snapshots(model, prompts, strategies, new: int) -> tuple[list[Row], d
 
 def _room(cache, row: int, up) -> int:
     """Tokens a row may commit before its cache has to change: until it holds budget + slack
-    entries per head (eviction), or until a group of loose entries fills (quantization)."""
+    entries per head (eviction; without a budget, slack tokens after the last one), or until a
+    group of loose entries fills (quantization)."""
     room = 10**9
-    if up.compressor is not None:
+    if up.compressor is not None and up.budget is None:  # evicted every slack tokens
+        room = up.since + up.slack - cache.logical_lengths[row]
+    elif up.compressor is not None:
         room = up.budget + up.slack - max(cache.entries_per_head(layer, row) for layer in up.layers)
     if up.quantizer is not None:
         loose = max(cache.row_lengths(layer)[row] - up.quantized[layer] for layer in up.layers)
@@ -106,9 +115,9 @@ class _Spied(SnapKV):
 
     windows: ClassVar[list[int]] = []
 
-    def evict(self, layer_idx, queries, keys, values, valid):
+    def evict(self, layer_idx, queries, keys, values, valid, positions=None, tokens=None):
         self.windows.append(0 if queries is None else queries.shape[2])
-        return super().evict(layer_idx, queries, keys, values, valid)
+        return super().evict(layer_idx, queries, keys, values, valid, positions, tokens)
 
 
 @pytest.mark.parametrize("strategy", [
