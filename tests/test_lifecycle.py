@@ -59,20 +59,20 @@ class GatedSnapKV(SnapKV):
     entered: Any = None
     proceed: Any = None
 
-    def select(self, layer_idx, queries, keys, values):
+    def select(self, layer_idx, queries, keys, values, tokens=None):
         if not self.entered.is_set():
             self.entered.set()
             assert self.proceed.wait(TIMEOUT), "the test never let the prefill go on"
-        return super().select(layer_idx, queries, keys, values)
+        return super().select(layer_idx, queries, keys, values, tokens)
 
 
 class ExplodingSnapKV(SnapKV):
     """SnapKV that raises in the prefill, at its second layer (the first one compressed)."""
 
-    def select(self, layer_idx, queries, keys, values):
+    def select(self, layer_idx, queries, keys, values, tokens=None):
         if layer_idx == 1:
             raise RuntimeError("compressor exploded")
-        return super().select(layer_idx, queries, keys, values)
+        return super().select(layer_idx, queries, keys, values, tokens)
 
 
 class ExplodingStart(Drafter):
