@@ -12,19 +12,12 @@ import pytest
 import torch
 
 import accel
-from accel import adapter
 from accel.acceptance import Acceptance
 from accel.strategy import AcceptanceRule, StrategyError, build_strategy
-from helpers import SMALL_DRAFT, TINY_VOCAB, chi2_fails, make_tiny_model
+from helpers import SMALL_DRAFT, TINY_VOCAB, chi2_fails, generate_alone, load_packaged, make_tiny_model, repetitive_prompt
 from snapkv import AdaSnapKV, SnapKV
 from speculative import DraftModel
 from speculative.draft_model import check_vocabularies, fit_vocab
-
-
-
-def _prompt(seed: int, n: int) -> torch.Tensor:
-    base = torch.randint(2, TINY_VOCAB, (max(4, n // 3),), generator=torch.Generator().manual_seed(seed))
-    return base.repeat(4)[:n].unsqueeze(0)
 
 
 def _noisy_copy(model, std: float, seed: int = 0):
@@ -35,10 +28,6 @@ def _noisy_copy(model, std: float, seed: int = 0):
         for p in copy.parameters():
             p.add_(torch.randn(p.shape, generator=g) * std)
     return copy
-
-
-def _greedy(model, ids, strategies=(), new=40, **kw):
-    return accel.generate(model, ids, strategies=list(strategies), max_new_tokens=new, eos_token_id=[], **kw)
 
 
 # --------------------------------------------------------------------------- greedy exactness
@@ -64,13 +53,14 @@ def test_greedy_equals_plain_greedy(draft_kind, where):
         "noisy_copy": lambda: _noisy_copy(target, 0.005),
         "same_weights": lambda: target,
     }[draft_kind]()
-    ids = _prompt(3, 40)
+    ids = repetitive_prompt(3, 40)
     compress = {"draft_snapkv": SnapKV(budget=16, window=4, kernel=3),
                 "draft_ada": AdaSnapKV(budget=16, window=4, kernel=3)}.get(where)
     base = [SnapKV(budget=16, window=4, kernel=3)] if where == "target_snapkv" else []
-    ref = _greedy(target, ids, base)
+    ref = generate_alone(target, ids, 40, base)
     quantize = "int8" if where == "int8" else "none"
-    out = _greedy(target, ids, base + [DraftModel(model=draft, num_tokens=4, stop_below=None, compress=compress, quantize=quantize)])
+    drafter = DraftModel(model=draft, num_tokens=4, stop_below=None, compress=compress, quantize=quantize)
+    out = generate_alone(target, ids, 40, base + [drafter])
     assert torch.equal(out.sequences, ref.sequences)
     assert out.stats.drafted_tokens > 0
     if draft_kind == "same_weights":  # the draft computes what the verifier does: all accepted
@@ -84,39 +74,41 @@ def test_int8_draft_of_the_target_itself_agrees_mostly_and_stays_exact():
     from accel.kernels.quant import int8_copy, is_int8
 
     target = make_tiny_model(**TARGET)
-    ids = _prompt(3, 40)
+    ids = repetitive_prompt(3, 40)
     strategy = DraftModel(model=target, num_tokens=4, stop_below=None, quantize="int8")
     drafter, _ = strategy.resolve(target)
     assert drafter is int8_copy(target) and is_int8(drafter) and not is_int8(target)
-    out = _greedy(target, ids, [strategy])
-    assert torch.equal(out.sequences, _greedy(target, ids).sequences)
+    out = generate_alone(target, ids, 40, [strategy])
+    assert torch.equal(out.sequences, generate_alone(target, ids, 40).sequences)
     assert out.stats.accepted_tokens >= 0.6 * out.stats.drafted_tokens > 0
 
 
 def test_int8_of_a_draft_that_cannot_have_it_is_refused():
     target = make_tiny_model(**TARGET)
     with pytest.raises(ValueError, match="quantize='int8'.*float32"):
-        _greedy(target, _prompt(3, 20), [DraftModel(model=deepcopy(target).to(torch.bfloat16), quantize="int8")])
+        generate_alone(target, repetitive_prompt(3, 20), 40,
+                       [DraftModel(model=deepcopy(target).to(torch.bfloat16), quantize="int8")])
 
 
 def test_batch_rows_keep_their_own_draft_state():
     target = make_tiny_model(**TARGET)
-    ids = torch.cat([_prompt(3, 30), _prompt(4, 30)])
+    ids = torch.cat([repetitive_prompt(3, 30), repetitive_prompt(4, 30)])
     strategy = DraftModel(model=_noisy_copy(target, 0.005), num_tokens=3, stop_below=None)
-    out = _greedy(target, ids, [strategy], new=24)
-    assert torch.equal(out.sequences, _greedy(target, ids, new=24).sequences)
+    out = accel.generate(target, ids, strategies=[strategy], max_new_tokens=24, eos_token_id=[])
+    assert torch.equal(out.sequences, accel.generate(target, ids, max_new_tokens=24, eos_token_id=[]).sequences)
 
 
 def test_engine_budget_and_dynamic_lookahead():
     target = make_tiny_model(**TARGET)
-    ids = _prompt(3, 40)
-    ref = _greedy(target, ids)
+    ids = repetitive_prompt(3, 40)
+    ref = generate_alone(target, ids, 40)
     draft = _noisy_copy(target, 0.005)
-    capped = _greedy(target, ids, [DraftModel(model=draft, num_tokens=6, stop_below=None)], max_draft_tokens=2)
+    capped = generate_alone(target, ids, 40, [DraftModel(model=draft, num_tokens=6, stop_below=None)],
+                            max_draft_tokens=2)
     assert torch.equal(capped.sequences, ref.sequences)
     assert capped.stats.drafted_tokens <= 2 * capped.stats.verify_steps
-    full = _greedy(target, ids, [DraftModel(model=draft, num_tokens=6, stop_below=None)])
-    cautious = _greedy(target, ids, [DraftModel(model=draft, num_tokens=6, stop_below=0.5)])
+    full = generate_alone(target, ids, 40, [DraftModel(model=draft, num_tokens=6, stop_below=None)])
+    cautious = generate_alone(target, ids, 40, [DraftModel(model=draft, num_tokens=6, stop_below=0.5)])
     assert torch.equal(cautious.sequences, ref.sequences)
     assert cautious.stats.drafted_tokens < full.stats.drafted_tokens
 
@@ -139,7 +131,7 @@ def test_batched_drafts_equal_row_by_row_drafts_in_fewer_forwards(monkeypatch):
 
     target = make_tiny_model(**TARGET)
     strategy = DraftModel(model=_noisy_copy(target, 0.005), num_tokens=4, stop_below=None)
-    prompts = [_prompt(s, n)[0] for s, n in ((3, 20), (4, 33), (5, 27))]
+    prompts = [repetitive_prompt(s, n)[0] for s, n in ((3, 20), (4, 33), (5, 27))]
     forwards: list[int] = []
     verify = dm.verify
     monkeypatch.setattr(dm, "verify", lambda model, cache, trees, dtype: forwards.append(len(trees))
@@ -187,7 +179,7 @@ def test_batch_with_a_draft_model_equals_each_row_alone(draft_kind, compress, ta
     comp = {"snapkv": SnapKV(budget=12, window=4, kernel=3), "ada": AdaSnapKV(budget=12, window=4, kernel=3)}.get(compress)
     base = [SnapKV(budget=16, window=4, kernel=3)] if target_snapkv else []
     strategies = base + [DraftModel(model=draft, num_tokens=3, stop_below=None, compress=comp)]
-    prompts = [_prompt(s, n) for s, n in ((3, 40), (4, 22), (5, 31), (6, 45))]
+    prompts = [repetitive_prompt(s, n) for s, n in ((3, 40), (4, 22), (5, 31), (6, 45))]
     rows_fed: list[int] = []
     hook = draft.model.register_forward_pre_hook(lambda m, args, kw: rows_fed.append(kw["input_ids"].shape[0]),
                                                  with_kwargs=True)
@@ -197,8 +189,8 @@ def test_batch_with_a_draft_model_equals_each_row_alone(draft_kind, compress, ta
         hook.remove()
     assert max(rows_fed) == 4
     for b, ids in enumerate(prompts):
-        alone = _greedy(target, ids, strategies, new=30).sequences[0, ids.shape[1]:]
-        plain = _greedy(target, ids, base, new=30).sequences[0, ids.shape[1]:]
+        alone = generate_alone(target, ids, 30, strategies).sequences[0, ids.shape[1]:]
+        plain = generate_alone(target, ids, 30, base).sequences[0, ids.shape[1]:]
         got = batch.sequences[b, -30:]
         assert torch.equal(got, alone) and torch.equal(got, plain), f"row {b}"
 
@@ -226,11 +218,11 @@ def test_rows_leave_the_draft_cache_and_a_failed_batched_draft_falls_back(monkey
         return forward(self, feeds)
 
     monkeypatch.setattr(dm._Rows, "forward", flaky)
-    prompts = [_prompt(s, 30) for s in (3, 4, 5)]
+    prompts = [repetitive_prompt(s, 30) for s in (3, 4, 5)]
     lengths = [8, 20, 14]
     outs = []
     for ids, n in zip(prompts, lengths):
-        outs.append(_greedy(target, ids, new=n).sequences[0, ids.shape[1]:])
+        outs.append(generate_alone(target, ids, n).sequences[0, ids.shape[1]:])
     with accel.Engine(target, strategies=[strategy], max_batch=4) as engine:
         handles = [engine.submit(ids[0], max_new_tokens=n, eos_token_id=[]) for ids, n in zip(prompts, lengths)]
         results = [h.result(timeout=120) for h in handles]
@@ -270,10 +262,10 @@ class Checked(DraftModel):
 
 def test_draft_cache_follows_partial_acceptance():
     target = make_tiny_model(**TARGET)
-    ids = _prompt(3, 40)
+    ids = repetitive_prompt(3, 40)
     Checked.LOG.clear()
-    out = _greedy(target, ids, [Checked(model=_noisy_copy(target, 0.005), num_tokens=4, stop_below=None)], new=60)
-    assert torch.equal(out.sequences, _greedy(target, ids, new=60).sequences)
+    out = generate_alone(target, ids, 60, [Checked(model=_noisy_copy(target, 0.005), num_tokens=4, stop_below=None)])
+    assert torch.equal(out.sequences, generate_alone(target, ids, 60).sequences)
     partial = [a for p, a in Checked.LOG if 0 < a < p]
     assert partial and any(a == 0 for _, a in Checked.LOG) and any(a == p for p, a in Checked.LOG)
 
@@ -284,8 +276,8 @@ def test_draft_cache_restarts_when_the_sequence_is_rewritten():
     target = make_tiny_model(**TARGET)
     strategy = DraftModel(model=target, num_tokens=3, stop_below=None)
     with torch.inference_mode():
-        state = strategy.start(target, _prompt(3, 20)[0])
-        other = _prompt(4, 25)[0]
+        state = strategy.start(target, repetitive_prompt(3, 20)[0])
+        other = repetitive_prompt(4, 25)[0]
         prop = strategy.propose(state, DraftContext(tokens=other, hidden=None, max_tokens=3))
     assert len(prop) == 3 and state.floor == other.numel() - 1  # a fresh prefill of the new sequence
     assert torch.equal(state.tokens, torch.cat([other, prop.tokens[:-1]]))
@@ -302,7 +294,7 @@ def test_mismatched_vocabulary_is_refused():
     with pytest.raises(ValueError, match="different vocabularies"):
         strategy.check(target)
     with pytest.raises(ValueError, match="different vocabularies"):
-        _greedy(target, _prompt(3, 12), [strategy], new=4)
+        generate_alone(target, repetitive_prompt(3, 12), 4, [strategy])
 
 
 def _save_tokenizer(folder, words):
@@ -324,9 +316,9 @@ def test_tokenizers_are_compared_and_padded_widths_allowed(tmp_path):
     wider = make_tiny_model(seed=4, vocab_size=TINY_VOCAB + 7, **SMALL_DRAFT)  # padded output layer
     wider.name_or_path = _save_tokenizer(tmp_path / "d", words)
     check_vocabularies(target, wider)
-    ids = _prompt(3, 30)
-    out = _greedy(target, ids, [DraftModel(model=wider, num_tokens=3, stop_below=None)], new=20)
-    assert torch.equal(out.sequences, _greedy(target, ids, new=20).sequences)
+    ids = repetitive_prompt(3, 30)
+    out = generate_alone(target, ids, 20, [DraftModel(model=wider, num_tokens=3, stop_below=None)])
+    assert torch.equal(out.sequences, generate_alone(target, ids, 20).sequences)
 
     renamed = make_tiny_model(seed=4)
     renamed.name_or_path = _save_tokenizer(tmp_path / "r", words[:50] + ["x"] + words[51:])
@@ -411,35 +403,18 @@ class AcceptEverything(AcceptanceRule):
 
 @pytest.fixture
 def sampled_drafts(monkeypatch):
-    """Make sure the drafter sees the request's warp and a generator, and count the drafts
-    that carried q. (The engine at the time of writing builds ``DraftContext`` without them;
-    then this fills them in: the warp ``accel.generate`` made, a generator of its own.)"""
-    import accel.engine as engine
-
-    seen: dict[str, Any] = {"sampled": 0, "greedy": 0, "generator": torch.Generator().manual_seed(0)}
-    make_warpers = adapter.make_warpers
-
-    def capture(*args, **kwargs):
-        seen["warp"] = make_warpers(*args, **kwargs)
-        return seen["warp"]
-
-    context = engine.DraftContext
-
-    def context_with_warp(*args, **kwargs):
-        ctx = context(*args, **kwargs)
-        if ctx.warp is None and seen.get("warp") is not None:
-            ctx.warp, ctx.generator = seen["warp"], seen["generator"]
-        return ctx
-
+    """Count the drafts that carried q (sampled) and those that did not (greedy), and check
+    that every DraftContext the engine builds for a sampled request has the request's warp and
+    a generator."""
+    seen: dict[str, Any] = {"sampled": 0, "greedy": 0, "no_warp": 0}
     propose = DraftModel.propose
 
     def counting(self, state, ctx):
         prop = propose(self, state, ctx)
         seen["sampled" if prop is not None and prop.probs is not None else "greedy"] += 1
+        seen["no_warp"] += ctx.warp is None or ctx.generator is None
         return prop
 
-    monkeypatch.setattr(adapter, "make_warpers", capture)
-    monkeypatch.setattr(engine, "DraftContext", context_with_warp)
     monkeypatch.setattr(DraftModel, "propose", counting)
     return seen
 
@@ -462,7 +437,7 @@ def test_sampling_with_a_draft_model_is_lossless(sampled_drafts, quantize):
     marginals = _marginals(target, PROMPT)
     strategy = DraftModel(model=draft, num_tokens=2, quantize=quantize)
     counts = _emitted(target, [strategy], runs=800, seed=0)
-    assert sampled_drafts["sampled"] > 0 and sampled_drafts["greedy"] == 0
+    assert sampled_drafts["sampled"] > 0 and sampled_drafts["greedy"] == sampled_drafts["no_warp"] == 0
     for j in range(3):
         assert not chi2_fails(counts[j], marginals[j].float()), f"new token {j + 1}"
 
@@ -479,18 +454,9 @@ CODE_PROMPTS = [
 ]
 
 
-def _packaged(name: str):
-    from accel.models import ModelNotAvailableError, load_shared
-
-    try:
-        return load_shared(name, torch.float32, "cpu")  # the object DraftModel(model=name) uses
-    except ModelNotAvailableError as err:
-        pytest.skip(str(err))
-
-
 @pytest.mark.models
 def test_qwen_coder_0_5b_drafts_itself_and_refuses_another_vocabulary(default_model):
-    draft, tok = _packaged("qwen2.5-coder-0.5b-instruct")
+    draft, tok = load_packaged("qwen2.5-coder-0.5b-instruct")
     ids = accel.models.chat_ids(tok, CODE_PROMPTS[0])
     ref = accel.generate(draft, ids, max_new_tokens=32)
     s = DraftModel(model="qwen2.5-coder-0.5b-instruct", num_tokens=5, compress=SnapKV(budget=32, window=8))
@@ -504,8 +470,8 @@ def test_qwen_coder_0_5b_drafts_itself_and_refuses_another_vocabulary(default_mo
 @pytest.mark.models
 @pytest.mark.parametrize("i", range(len(CODE_PROMPTS)))
 def test_qwen_coder_pair_greedy_is_exact(i):
-    target, tok = _packaged("qwen2.5-coder-1.5b-instruct")
-    _packaged("qwen2.5-coder-0.5b-instruct")
+    target, tok = load_packaged("qwen2.5-coder-1.5b-instruct")
+    load_packaged("qwen2.5-coder-0.5b-instruct")
     ids = accel.models.chat_ids(tok, CODE_PROMPTS[i])
     ref = accel.generate(target, ids, max_new_tokens=48)
     out = accel.generate(target, ids, strategies=["draft_model:model=qwen2.5-coder-0.5b-instruct"], max_new_tokens=48)

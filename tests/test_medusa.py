@@ -11,7 +11,8 @@ from torch import nn
 
 import accel
 from accel.strategy import DraftContext, StrategyError, build_strategy
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import (TINY_HIDDEN, TINY_VOCAB, alone_tokens, generate_alone, make_tiny_model, random_heads,
+                     repetitive_prompt)
 from snapkv import SnapKV
 from speculative import Medusa, MedusaHeads
 from speculative.medusa import CONFIG_NAME, DEFAULT_HEADS_DIR, WEIGHTS_NAME, load_heads
@@ -26,26 +27,7 @@ from speculative.medusa.trees import (
     truncate_paths,
 )
 
-HIDDEN = 64  # hidden size of the tiny models
-
-
-def random_heads(num_heads: int = 3, num_layers: int = 1, own_lm_head: bool = False, seed: int = 0, std: float = 0.3,
-                 sequential: bool = False) -> MedusaHeads:
-    heads = MedusaHeads(num_heads, HIDDEN, TINY_VOCAB, num_layers, own_lm_head, sequential=sequential)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) * std)
-    return heads
-
-
-def _prompt(seed: int, n: int) -> torch.Tensor:
-    base = torch.randint(2, TINY_VOCAB, (max(4, n // 3),), generator=torch.Generator().manual_seed(seed))
-    return base.repeat(4)[:n].unsqueeze(0)
-
-
-def _generate(model, ids, strategies, new=30):
-    return accel.generate(model, ids, strategies=strategies, max_new_tokens=new, eos_token_id=[])
+HIDDEN = TINY_HIDDEN
 
 
 # --------------------------------------------------------------------------- exactness
@@ -56,11 +38,11 @@ def _generate(model, ids, strategies, new=30):
 @pytest.mark.parametrize("tree", ["auto", "dynamic", "mc_sim_7b_63", "chain", ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))])
 def test_greedy_output_is_unchanged_by_medusa(tmp_path, compressed, tree, sequential):
     model = make_tiny_model(seed=21)
-    ids = _prompt(1, 48)
+    ids = repetitive_prompt(1, 48)
     base = [SnapKV(budget=16, window=4, kernel=3)] if compressed else []
     random_heads(seed=1, sequential=sequential).save_pretrained(tmp_path)
-    ref = _generate(model, ids, base)
-    out = _generate(model, ids, base + [Medusa(heads=str(tmp_path), tree=tree, max_nodes=12)])
+    ref = generate_alone(model, ids, 30, base)
+    out = generate_alone(model, ids, 30, base + [Medusa(heads=str(tmp_path), tree=tree, max_nodes=12)])
     assert torch.equal(out.sequences, ref.sequences)
     assert out.stats.drafted_tokens > 0
 
@@ -68,33 +50,35 @@ def test_greedy_output_is_unchanged_by_medusa(tmp_path, compressed, tree, sequen
 def test_compressed_reference_differs_from_full():
     # the SnapKV case above is a real test only if compression changes the output
     model = make_tiny_model(seed=21)
-    ids = _prompt(1, 48)
-    assert not torch.equal(_generate(model, ids, []).sequences,
-                           _generate(model, ids, [SnapKV(budget=16, window=4, kernel=3)]).sequences)
+    ids = repetitive_prompt(1, 48)
+    assert not torch.equal(generate_alone(model, ids, 30).sequences,
+                           generate_alone(model, ids, 30, [SnapKV(budget=16, window=4, kernel=3)]).sequences)
 
 
 @pytest.mark.parametrize("sequential", [False, True])
 @pytest.mark.parametrize("head_dtype", ["float32", "bfloat16", "model"])
 def test_identity_heads_accept_on_repetitive_output_and_stay_exact(tmp_path, head_dtype, sequential):
     # Fresh heads are the identity: every head proposes the base model's next-token choice
-    # at the last verified position. Some of those drafts are right, so tokens get accepted.
+    # at the last verified position, the token it just chose, again. This prompt's output
+    # repeats one token 26 times, so those drafts are right there and tokens get accepted.
     model = make_tiny_model(seed=22)
-    ids = _prompt(2, 40)
+    ids = repetitive_prompt(10, 40)
     MedusaHeads(3, HIDDEN, TINY_VOCAB, sequential=sequential).save_pretrained(tmp_path)
-    ref = _generate(model, ids, [], new=40)
-    out = _generate(model, ids, [Medusa(heads=str(tmp_path), head_dtype=head_dtype)], new=40)
+    ref = generate_alone(model, ids, 40)
+    out = generate_alone(model, ids, 40, [Medusa(heads=str(tmp_path), head_dtype=head_dtype)])
     assert torch.equal(out.sequences, ref.sequences)
+    assert out.stats.drafted_tokens > 0 and out.stats.accepted_tokens > 0
 
 
 def test_medusa_composes_with_other_drafters_and_sampling(tmp_path):
     from speculative import PromptLookup
 
     model = make_tiny_model(seed=23)
-    ids = _prompt(3, 40)
+    ids = repetitive_prompt(3, 40)
     random_heads(seed=3).save_pretrained(tmp_path)
     medusa = Medusa(heads=str(tmp_path), max_nodes=6)
-    ref = _generate(model, ids, [], new=25)
-    out = _generate(model, ids, [PromptLookup(num_tokens=4), medusa], new=25)
+    ref = generate_alone(model, ids, 25)
+    out = generate_alone(model, ids, 25, [PromptLookup(num_tokens=4), medusa])
     assert torch.equal(out.sequences, ref.sequences)
     # top_k=1 makes sampling a point mass: lossless sampling must reproduce greedy output
     sampled = accel.generate(model, ids, strategies=[medusa], max_new_tokens=25, temperature=1.0, top_k=1, seed=0,
@@ -235,8 +219,8 @@ def test_a_batch_drafts_medusa_in_one_call_and_stays_exact(tmp_path, monkeypatch
     model = make_tiny_model(seed=27)
     random_heads(seed=10, std=1.0).save_pretrained(tmp_path)
     drafter = Medusa(heads=str(tmp_path), tree="dynamic", head_dtype="float32")
-    prompts = [_prompt(s, n)[0] for s, n in ((1, 20), (2, 33), (3, 9), (4, 41))]
-    alone = [_generate(model, p.unsqueeze(0), [drafter], new=24).sequences[0, p.numel():].tolist() for p in prompts]
+    prompts = [repetitive_prompt(s, n)[0] for s, n in ((1, 20), (2, 33), (3, 9), (4, 41))]
+    alone = [alone_tokens(model, p, 24, [drafter]) for p in prompts]
     calls = []
     real = Medusa.propose_batch
     monkeypatch.setattr(Medusa, "propose_batch", lambda self, states, ctxs: calls.append(len(states)) or real(self, states, ctxs))
@@ -381,9 +365,9 @@ def test_official_format_checkpoint_loads_with_identical_outputs(tmp_path, num_l
         torch.testing.assert_close(heads(h), expected, rtol=0, atol=0)
     # and it drafts, exactly, through the engine (own output layers, no shared lm_head)
     model = make_tiny_model(seed=25)
-    ids = _prompt(5, 40)
-    ref = _generate(model, ids, [])
-    out = _generate(model, ids, [Medusa(heads=str(tmp_path), max_nodes=8)])
+    ids = repetitive_prompt(5, 40)
+    ref = generate_alone(model, ids, 30)
+    out = generate_alone(model, ids, 30, [Medusa(heads=str(tmp_path), max_nodes=8)])
     assert torch.equal(out.sequences, ref.sequences) and out.stats.drafted_tokens > 0
     # re-saved in our format, it loads back the same
     heads.save_pretrained(tmp_path / "ours")
@@ -415,8 +399,8 @@ def test_vocab_subset_round_trip_and_drafts_only_from_it(tmp_path):
     prop = drafter.propose(state, DraftContext(tokens=torch.tensor([1]), hidden=h[0], max_tokens=8))
     top = logits[0].topk(2, dim=-1).indices
     assert prop.tokens.tolist() == [int(top[0, 0]), int(top[0, 1]), int(top[1, 0]), int(top[2, 0])]
-    ids = _prompt(6, 40)
-    assert torch.equal(_generate(model, ids, [drafter]).sequences, _generate(model, ids, []).sequences)
+    ids = repetitive_prompt(6, 40)
+    assert torch.equal(generate_alone(model, ids, 30, [drafter]).sequences, generate_alone(model, ids, 30).sequences)
 
 
 def test_bad_vocab_subset_is_a_clear_error(tmp_path):
@@ -597,10 +581,10 @@ def test_medusa_on_a_bfloat16_model_is_exact_and_accepts(tmp_path, tree, save_dt
     # heads stored in float32 or bfloat16 draft for a bfloat16 model: fresh (identity) heads
     # propose the base model's next token, which this model's output repeats
     model = make_tiny_model(seed=23).to(torch.bfloat16)
-    ids = _prompt(2, 40)
+    ids = repetitive_prompt(2, 40)
     MedusaHeads(3, HIDDEN, TINY_VOCAB, sequential=sequential).save_pretrained(tmp_path, dtype=save_dtype)
-    ref = _generate(model, ids, [], new=40)
-    out = _generate(model, ids, [Medusa(heads=str(tmp_path), tree=tree, max_nodes=8)], new=40)
+    ref = generate_alone(model, ids, 40)
+    out = generate_alone(model, ids, 40, [Medusa(heads=str(tmp_path), tree=tree, max_nodes=8)])
     assert torch.equal(out.sequences, ref.sequences)
     assert out.stats.accepted_tokens > 0
 
@@ -608,10 +592,10 @@ def test_medusa_on_a_bfloat16_model_is_exact_and_accepts(tmp_path, tree, save_dt
 @pytest.mark.parametrize("head_dtype", ["auto", "float32", "bfloat16"])
 def test_random_heads_on_a_bfloat16_model_stay_exact(tmp_path, head_dtype):
     model = make_tiny_model(seed=21).to(torch.bfloat16)
-    ids = _prompt(1, 48)
+    ids = repetitive_prompt(1, 48)
     random_heads(seed=1, sequential=True).save_pretrained(tmp_path)
-    ref = _generate(model, ids, [])
-    out = _generate(model, ids, [Medusa(heads=str(tmp_path), head_dtype=head_dtype, max_nodes=12)])
+    ref = generate_alone(model, ids, 30)
+    out = generate_alone(model, ids, 30, [Medusa(heads=str(tmp_path), head_dtype=head_dtype, max_nodes=12)])
     assert torch.equal(out.sequences, ref.sequences)
     assert out.stats.drafted_tokens > 0
 
