@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import accel  # noqa: E402
-from accel import invariance  # noqa: E402
+from accel.kernels import invariance  # noqa: E402
 from accel.models import chat_ids, load_default  # noqa: E402
 from speculative import Medusa, PromptLookup  # noqa: E402
 from speculative.train import held_out_prompts  # noqa: E402
