@@ -16,8 +16,6 @@ def _generate(args: argparse.Namespace) -> int:
     import accel
     from accel.models import chat_ids, load_model
 
-    import torch
-
     strategies = accel.build_strategies(args.strategy)  # validate before loading the model
     model, tokenizer = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
     if args.raw:

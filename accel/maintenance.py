@@ -42,7 +42,6 @@ again with the next group) and the quantized bytes shrink in proportion.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 

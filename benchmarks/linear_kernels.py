@@ -33,7 +33,7 @@ import time
 import torch
 
 from accel.calibration import timing
-from accel.kernels.cpu import PackedLinear, prepack, split_linear, transpose_weights
+from accel.kernels.cpu import PackedLinear, split_linear
 from accel.calibration.calibrate import _machine
 from accel.models import load_model
 

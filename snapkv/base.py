@@ -23,7 +23,7 @@ every ``decode_slack`` tokens, at logical lengths fixed by the committed sequenc
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from pydantic import ConfigDict, Field, model_validator

@@ -3,7 +3,6 @@ cheapest that keeps enough of the head's attention."""
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, Literal
 
 import torch

@@ -19,21 +19,26 @@ Test files import from here (and get fixtures from conftest.py), never from each
 from __future__ import annotations
 
 import math
+from pathlib import Path
 import threading
 from contextlib import contextmanager
 from typing import Any, ClassVar, Iterator, Sequence
 
 import pytest
 import torch
+import yaml
 from pydantic import ConfigDict, Field
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import accel
+from accel import adapter
+from accel.calibration.cost_model import CostTable
+from accel.engine import Batch, Row, plan_strategies
 from accel.strategy import DraftContext, DraftProposal, Drafter
 
-__all__ = ["TINY_VOCAB", "TINY_HIDDEN", "SMALL_DRAFT", "CharTokenizer", "Gate", "Scripted", "alone_tokens", "chi2_fails", "gate",
-           "engine_held", "generate_alone", "left_padded", "load_packaged", "make_tiny_config", "make_tiny_model",
-           "make_tiny_tokenizer", "random_heads", "random_prompt", "repetitive_prompt"]
+__all__ = ["CONFIGS", "TINY_VOCAB", "TINY_HIDDEN", "SMALL_DRAFT", "CharTokenizer", "Gate", "Scripted", "alone_tokens", "assert_same_caches", "chi2_fails", "decode_snapshots", "gate",
+           "engine_held", "fake_measure", "fake_table", "generate_alone", "left_padded", "load_packaged", "make_tiny_config", "make_tiny_model",
+           "make_tiny_tokenizer", "random_heads", "random_prompt", "repetitive_prompt", "write_yaml"]
 
 #: Vocabulary size of the tiny models (ids 0..96; 0 = bos/pad, 1 = eos).
 TINY_VOCAB = 97
@@ -347,3 +352,113 @@ def chi2_fails(counts: torch.Tensor, p: torch.Tensor, z: float = 3.719, min_expe
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
     crit = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
     return stat > crit
+
+
+# ---------------------------------------------------------------------------- cache snapshots
+
+
+def decode_snapshots(model, prompts, strategies, new: int) -> tuple[list[Row], dict]:
+    """Decode ``prompts`` together with ``strategies`` (greedy) through a Batch, and after
+    the prefill and every step keep each row's cache entries: returns (the rows, with their
+    generated tokens and stats, {(row, logical length): [(keys, values, valid) per layer]}).
+    Asserts on the way that no step takes a row past its next cache event (eviction,
+    quantization)."""
+    plan = plan_strategies(list(strategies))
+    rows = [Row(prompt=p, plan=plan, max_new_tokens=new, eos=frozenset()) for p in prompts]
+    batch = Batch(model)
+    snaps: dict = {}
+
+    def keep():
+        for b, row in enumerate(batch.rows):
+            key = (rows.index(row), batch.cache.logical_lengths[b])
+            if row.upkeep is not None and row.upkeep.compressor is not None:  # positions it tracks are right
+                for layer in row.upkeep.layers:
+                    held = row.upkeep.entry_positions(batch.cache, layer, b)
+                    for h, real in enumerate(_valid(batch.cache, layer, b)):
+                        p = held[h][real]
+                        assert bool((p[1:] > p[:-1]).all()) and int(p[-1]) == key[1] - 1, (key, layer, h)
+            snaps[key] = [(batch.cache.keys(layer, b).clone(), batch.cache.values(layer, b).clone(),
+                           _valid(batch.cache, layer, b)) for layer in range(batch.cache.num_layers)]
+
+    with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
+        batch.admit(rows)
+        keep()
+        while batch.rows:
+            before = {id(r): (batch.cache.logical_lengths[b], _room(batch.cache, b, r.upkeep))
+                      for b, r in enumerate(batch.rows)}
+            batch.step()
+            for b, r in enumerate(batch.rows):
+                length, room = before[id(r)]
+                assert batch.cache.logical_lengths[b] - length <= room, (length, room)
+            keep()
+            batch.retire_done()
+    return rows, snaps
+
+
+def _room(cache, row: int, up) -> int:
+    """Tokens a row may commit before its cache has to change: until it holds budget + slack
+    entries per head (eviction; without a budget, slack tokens after the last one), or until a
+    group of loose entries fills (quantization)."""
+    room = 10**9
+    if up.compressor is not None and up.budget is None:  # evicted every slack tokens
+        room = up.since + up.slack - cache.logical_lengths[row]
+    elif up.compressor is not None:
+        room = up.budget + up.slack - max(cache.entries_per_head(layer, row) for layer in up.layers)
+    if up.quantizer is not None:
+        loose = max(cache.row_lengths(layer)[row] - up.quantized[layer] for layer in up.layers)
+        room = min(room, up.quantizer.group_size() - loose)
+    return room
+
+
+def _valid(cache, layer: int, row: int) -> torch.Tensor:
+    """[H_kv, n] validity of one row's entries (all True where the cache keeps no padding)."""
+    valid = cache.entry_valid(layer, row)
+    return valid if valid is not None else torch.ones(cache.keys(layer, row).shape[1:3], dtype=torch.bool)
+
+
+def assert_same_caches(drafted: dict, plain: dict) -> None:
+    """Every cache state the drafted run went through is the plain run's at the same length
+    (a drafted row's last step may accept tokens past its end, beyond what plain reached)."""
+    common = drafted.keys() & plain.keys()
+    assert len(common) >= len(drafted) - len({row for row, _ in drafted})
+    for key in common:
+        for (k, v, valid), (pk, pv, pvalid) in zip(drafted[key], plain[key]):
+            assert k.shape == pk.shape and torch.equal(valid, pvalid), key
+            assert torch.allclose(k, pk, atol=1e-5) and torch.allclose(v, pv, atol=1e-5), key
+
+
+# ---------------------------------------------------------------------------- calibration and bench files
+
+
+#: The shipped experiment files.
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+def write_yaml(tmp_path: Path, data: dict | str, name: str = "exp.yaml") -> Path:
+    """Write an experiment file (a dict as YAML, or text as is) and return its path."""
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def fake_table(tokens, ms, cache_lens=(256,), **kw) -> CostTable:
+    """A hand-made cost table; ``ms`` is one row per cache length (or one row for all)."""
+    rows = ms if isinstance(ms[0], (list, tuple)) else [ms] * len(cache_lens)
+    return CostTable(tokens=tuple(tokens), cache_lens=tuple(cache_lens), ms=tuple(tuple(r) for r in rows), **kw)
+
+
+def fake_measure(calls: list | None = None, packed: tuple[int, ...] = (), transposed: float = 2.0,
+                 split: tuple[int, ...] = ()):
+    """A stand-in for timing.measure whose packed kernels win at the ``packed`` ones of its
+    token counts (1, 8, 64), whose transposed kernels take ``transposed`` ms against
+    plain ones' 2 ms, and whose split kernels beat all of them at the ``split`` ones."""
+    def measure(model, **kwargs):
+        if calls is not None:
+            calls.append(kwargs)
+        tokens = (1, 8, 64)
+        kernel_ms = {"plain": ((2.0,) * 3,), "transposed": ((transposed,) * 3,),
+                     "packed": (tuple(1.0 if n in packed else 3.0 for n in tokens),),
+                     "split": (tuple(0.5 if n in split else 4.0 for n in tokens),)}
+        return fake_table(tokens, [1.0, 2.0, 3.0], kernel_tokens=tokens, kernel_ms=kernel_ms)
+
+    return measure

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from accel.bench import ConfigError, load_config, run_experiment
 from accel.kernels.cpu import PackedLinear, prepack, prepack_supported
@@ -17,16 +16,7 @@ from accel.bench.tasks import build_items, score
 from accel.cli import main
 from accel.strategy import REGISTRY, _load_builtin
 
-from helpers import CharTokenizer, make_tiny_model
-
-CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-
-
-def _write(tmp_path: Path, data: dict | str, name: str = "exp.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data, sort_keys=False))
-    return path
-
+from helpers import CONFIGS, CharTokenizer, make_tiny_model, write_yaml
 
 GOOD = {
     "model": "default",
@@ -52,7 +42,7 @@ GOOD = {
 
 
 def test_good_file_validates(tmp_path):
-    exp = load_config(_write(tmp_path, GOOD))
+    exp = load_config(write_yaml(tmp_path, GOOD))
     assert exp.name == "exp"
     assert exp.configuration_names() == ["hf_generate", "hf_prompt_lookup", "accel_plain", "snapkv", "snapkv_pl"]
     assert [t.kind for t in exp.tasks] == ["needle", "long_doc", "chat"]
@@ -61,7 +51,7 @@ def test_good_file_validates(tmp_path):
 
 def test_budget_and_misspelled_field_both_named_in_one_message(tmp_path):
     bad = dict(GOOD, runs={"snapkv_bad": [{"name": "snapkv", "budget": -5, "windw": 32}]})
-    path = _write(tmp_path, bad)
+    path = write_yaml(tmp_path, bad)
     with pytest.raises(ConfigError) as info:
         load_config(path)
     msg = str(info.value)
@@ -80,7 +70,7 @@ def test_every_schema_and_strategy_error_is_collected(tmp_path):
         "repeats": "many",
     }
     with pytest.raises(ConfigError) as info:
-        load_config(_write(tmp_path, bad))
+        load_config(write_yaml(tmp_path, bad))
     msg = str(info.value)
     for needle in ("tasks[0].needle.lengths[0]", "tasks[0].needle.depths[0]", "tasks[1]", "generation.max_new_tokens",
                    "generation.temprature", "repeats", "runs.x[0]: unknown strategy 'nosuch'", "runs.two: at most one"):
@@ -90,7 +80,7 @@ def test_every_schema_and_strategy_error_is_collected(tmp_path):
 def test_model_level_checks(tmp_path):
     bad = dict(GOOD, reference="nope", runs={"hf_generate": []})
     with pytest.raises(ConfigError) as info:
-        load_config(_write(tmp_path, bad))
+        load_config(write_yaml(tmp_path, bad))
     msg = str(info.value)
     assert "runs.hf_generate: 'hf_generate' is a baseline name" in msg
     assert "reference: 'nope' is neither a baseline nor a run" in msg
@@ -98,13 +88,13 @@ def test_model_level_checks(tmp_path):
 
 def test_yaml_syntax_and_missing_file(tmp_path):
     with pytest.raises(ConfigError, match=r"exp.yaml: line \d+, column \d+: YAML syntax error"):
-        load_config(_write(tmp_path, "tasks:\n  - kind: [chat\n"))
+        load_config(write_yaml(tmp_path, "tasks:\n  - kind: [chat\n"))
     with pytest.raises(ConfigError, match="cannot read the file"):
         load_config(tmp_path / "absent.yaml")
 
 
 def test_overrides(tmp_path):
-    exp = load_config(_write(tmp_path, GOOD), [
+    exp = load_config(write_yaml(tmp_path, GOOD), [
         "generation.max_new_tokens=4", "tasks[0].lengths=[100]", "runs.pl=[prompt_lookup]", "repeats=2",
         "baselines=[hf_generate]",
     ])
@@ -112,7 +102,7 @@ def test_overrides(tmp_path):
     assert exp.tasks[0].lengths == [100]
     assert "pl" in exp.runs and exp.repeats == 2
     with pytest.raises(ConfigError) as info:
-        load_config(_write(tmp_path, GOOD), ["repeats", "tasks[9].lengths=[1]", "runs.snapkv=[snapkv:budget=-1]"])
+        load_config(write_yaml(tmp_path, GOOD), ["repeats", "tasks[9].lengths=[1]", "runs.snapkv=[snapkv:budget=-1]"])
     msg = str(info.value)
     assert "--set repeats: expected KEY=VALUE" in msg
     assert "--set tasks[9].lengths=[1]: tasks[9].lengths does not name a field" in msg
@@ -144,7 +134,7 @@ def test_shipped_configs_validate():
 def test_cli_bad_file_exits_nonzero_without_traceback_or_output(tmp_path, capsys):
     out = tmp_path / "out"
     bad = dict(GOOD, runs={"snapkv": [{"name": "snapkv", "budget": -5, "windw": 32}]}, output=str(out))
-    path = _write(tmp_path, bad)
+    path = write_yaml(tmp_path, bad)
     rc = main(["bench", str(path), "--out", str(out)])
     err = capsys.readouterr().err
     assert rc != 0
@@ -160,7 +150,7 @@ def test_cli_bad_file_exits_nonzero_without_traceback_or_output(tmp_path, capsys
 
 def test_tasks_are_deterministic_and_fit_their_lengths(tmp_path):
     tok = CharTokenizer()
-    exp = load_config(_write(tmp_path, GOOD))
+    exp = load_config(write_yaml(tmp_path, GOOD))
     a, b = build_items(exp, tok), build_items(exp, tok)
     assert [i.item_id for i in a] == [i.item_id for i in b]
     assert all(torch.equal(x.input_ids, y.input_ids) for x, y in zip(a, b))
@@ -174,13 +164,13 @@ def test_tasks_are_deterministic_and_fit_their_lengths(tmp_path):
     first, last = (tok.decode(needles[k].input_ids[0].tolist()) for k in (0, 1))  # depths 0 and 1
     assert "quiz you about the pass key.\n\nThe pass key is" in first
     assert "is the pass key.\n\nWhat is the pass key?" in last
-    other = load_config(_write(tmp_path, dict(GOOD, seed=4), "other.yaml"))
+    other = load_config(write_yaml(tmp_path, dict(GOOD, seed=4), "other.yaml"))
     assert [i.meta.get("pass_key") for i in build_items(other, tok)] != [i.meta.get("pass_key") for i in a]
 
 
 def test_scoring(tmp_path):
     tok = CharTokenizer()
-    exp = load_config(_write(tmp_path, GOOD))
+    exp = load_config(write_yaml(tmp_path, GOOD))
     items = {(i.kind, i.meta.get("instruction")): i for i in build_items(exp, tok)}
     needle = items[("needle", None)]
     assert score(needle, f"The pass key is {needle.expected}.") == (True, 1.0)
@@ -215,7 +205,7 @@ def test_agreement_and_rotation():
 
 
 def test_tiny_end_to_end_writes_results_summary_and_plots(tmp_path):
-    exp = load_config(_write(tmp_path, GOOD))
+    exp = load_config(write_yaml(tmp_path, GOOD))
     threads = torch.get_num_threads()
     out = run_experiment(exp, tmp_path / "out", model=make_tiny_model(max_position_embeddings=2048), tokenizer=CharTokenizer(),
                          command="pytest tiny", quiet=True)
@@ -267,7 +257,7 @@ def test_failed_runs_are_recorded_and_unavailable_baselines_reported(tmp_path, m
     monkeypatch.setitem(__import__("sys").modules, "kvpress", None)  # as if kvpress did not import
     data = dict(GOOD, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate", "kvpress_snapkv"],
                 runs={"accel_plain": [], "broken": ["prompt_lookup"]})
-    out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=make_tiny_model(),
+    out = run_experiment(load_config(write_yaml(tmp_path, data)), tmp_path / "out", model=make_tiny_model(),
                          tokenizer=CharTokenizer(), quiet=True)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert sorted({r["config"] for r in rows}) == ["accel_plain", "broken", "hf_generate"]
@@ -286,7 +276,7 @@ def test_draft_model_run_and_hf_assisted_baseline(tmp_path):
     data = dict(GOOD, tasks=[{"kind": "chat", "prompts": 2}],
                 baselines=["hf_generate", {"name": "hf_assisted", "model": str(draft_dir), "num_tokens": 3}],
                 runs={"draft_model": [{"name": "draft_model", "model": str(draft_dir), "num_tokens": 3}]})
-    exp = load_config(_write(tmp_path, data))
+    exp = load_config(write_yaml(tmp_path, data))
     assert exp.configuration_names() == ["hf_generate", "hf_assisted", "draft_model"]
     out = run_experiment(exp, tmp_path / "out", model=make_tiny_model(), tokenizer=CharTokenizer(), quiet=True)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
@@ -295,9 +285,9 @@ def test_draft_model_run_and_hf_assisted_baseline(tmp_path):
     assert all(r["exact"] for r in rows)  # both draft-model methods reproduce greedy decoding
 
     with pytest.raises(ConfigError, match="hf_assisted.model: Field required"):
-        load_config(_write(tmp_path, dict(GOOD, baselines=["hf_generate", "hf_assisted"])))
+        load_config(write_yaml(tmp_path, dict(GOOD, baselines=["hf_generate", "hf_assisted"])))
     missing = dict(data, baselines=["hf_generate", {"name": "hf_assisted", "model": str(tmp_path / "nowhere")}], runs={})
-    out = run_experiment(load_config(_write(tmp_path, missing)), tmp_path / "out2", model=make_tiny_model(),
+    out = run_experiment(load_config(write_yaml(tmp_path, missing)), tmp_path / "out2", model=make_tiny_model(),
                          tokenizer=CharTokenizer(), quiet=True)
     assert "**unavailable:** draft model" in (out / "summary.md").read_text()
 
@@ -309,7 +299,7 @@ def test_sampled_runs_are_seeded_per_item_and_not_compared(tmp_path):
     data = dict(GOOD, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate"],
                 runs={"accel_plain": [], "pl": ["prompt_lookup:num_tokens=4"]},
                 generation={"max_new_tokens": 10, "temperature": 0.7, "top_p": 0.9})
-    exp = load_config(_write(tmp_path, data))
+    exp = load_config(write_yaml(tmp_path, data))
     model = make_tiny_model()
     out = run_experiment(exp, tmp_path / "out", model=model, tokenizer=CharTokenizer(), quiet=True)
     rows = _rows(out)
@@ -329,7 +319,7 @@ def test_sampled_runs_are_seeded_per_item_and_not_compared(tmp_path):
     for bad, field in ((dict(data, batch_sizes=[1, 2]), "generation.temperature"),
                        (dict(data, generation={"top_p": 0.5}), "generation.top_p")):
         with pytest.raises(ConfigError, match=field):
-            load_config(_write(tmp_path, bad))
+            load_config(write_yaml(tmp_path, bad))
 
 
 # --------------------------------------------------------------------------- batched and arrivals
@@ -353,27 +343,27 @@ BATCHED = {
 def test_batch_sizes_and_arrivals_errors_name_the_field(tmp_path):
     bad = dict(GOOD, batch_sizes=[0, 4, 4, "many"], arrivals={"requests": 0, "interval_s": -1, "task": "poems"})
     with pytest.raises(ConfigError) as info:
-        load_config(_write(tmp_path, bad))
+        load_config(write_yaml(tmp_path, bad))
     msg = str(info.value)
     for needle in ("batch_sizes[0]: Input should be greater than 0", "batch_sizes[3]", "arrivals.requests",
                    "arrivals.interval_s"):
         assert needle in msg, needle
     with pytest.raises(ConfigError, match=r"batch_sizes: List should have at least 1 item"):
-        load_config(_write(tmp_path, dict(GOOD, batch_sizes=[])))
+        load_config(write_yaml(tmp_path, dict(GOOD, batch_sizes=[])))
     with pytest.raises(ConfigError) as info:
-        load_config(_write(tmp_path, dict(GOOD, batch_sizes=[1, 4, 4], arrivals={"task": "poems"})))
+        load_config(write_yaml(tmp_path, dict(GOOD, batch_sizes=[1, 4, 4], arrivals={"task": "poems"})))
     msg = str(info.value)
     assert "batch_sizes: 4 is listed twice" in msg
     assert "arrivals.task: 'poems' is not a task" in msg
-    exp = load_config(_write(tmp_path, dict(GOOD, batch_sizes=[1, 8], arrivals={"requests": 4})))
+    exp = load_config(write_yaml(tmp_path, dict(GOOD, batch_sizes=[1, 8], arrivals={"requests": 4})))
     assert exp.batched and exp.arrivals.interval_s == 0.25 and exp.arrivals.max_batch is None
-    assert not load_config(_write(tmp_path, GOOD)).batched
+    assert not load_config(write_yaml(tmp_path, GOOD)).batched
 
 
 def test_make_groups_cycle_a_task_s_items(tmp_path):
     from accel.bench.runner import make_groups
 
-    exp = load_config(_write(tmp_path, dict(GOOD, tasks=[{"kind": "chat", "prompts": 5}, {"kind": "chat", "name": "two",
+    exp = load_config(write_yaml(tmp_path, dict(GOOD, tasks=[{"kind": "chat", "prompts": 5}, {"kind": "chat", "name": "two",
                                                                                        "prompts": 2}])))
     items = build_items(exp, CharTokenizer())
     groups = make_groups(items, [1, 2, 4])
@@ -401,7 +391,7 @@ def test_chunk_timer_and_percentile():
 
 def test_batched_grid_rows_exact_and_same_as_single_rows(tmp_path):
     model = make_tiny_model(max_position_embeddings=2048)
-    out = run_experiment(load_config(_write(tmp_path, BATCHED)), tmp_path / "batched", model=model,
+    out = run_experiment(load_config(write_yaml(tmp_path, BATCHED)), tmp_path / "batched", model=model,
                          tokenizer=CharTokenizer(), command="pytest batched", quiet=True)
     assert model.config._attn_implementation == "sdpa"  # continuous batching put it back
     rows = _rows(out)
@@ -426,7 +416,7 @@ def test_batched_grid_rows_exact_and_same_as_single_rows(tmp_path):
         if r["config"] == "hf_generate":  # the padded cache holds at least every row's own entries
             assert r["kv_bytes_kept"] >= r["kv_bytes_full"]
     # a row's output in a batch is what it is alone: same text as the per-item grid
-    single = run_experiment(load_config(_write(tmp_path, dict(BATCHED, batch_sizes=[1], baselines=["hf_generate"]),
+    single = run_experiment(load_config(write_yaml(tmp_path, dict(BATCHED, batch_sizes=[1], baselines=["hf_generate"]),
                                                "single.yaml")), tmp_path / "single", model=model,
                             tokenizer=CharTokenizer(), quiet=True)
     alone = {(r["config"], r["task"], r["item"]): r["text"] for r in _rows(single)}
@@ -453,7 +443,7 @@ def test_arrivals_record_latency_and_ttft_for_every_request(tmp_path):
     packed = prepack_supported()
     if packed:  # hf_generate_unpacked swaps in plain kernels for its calls only
         prepack(model, min_rows=2, max_rows=64)
-    out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=model, tokenizer=CharTokenizer(),
+    out = run_experiment(load_config(write_yaml(tmp_path, data)), tmp_path / "out", model=model, tokenizer=CharTokenizer(),
                          quiet=True)
     assert model.config._attn_implementation == "sdpa"
     if packed:
@@ -485,13 +475,13 @@ def test_unrunnable_baseline_and_reference_in_batched_mode(tmp_path, monkeypatch
     monkeypatch.setattr(continuous_batching, "cb_probe", lambda *a: (None, "continuous batching does not run here (test)"))
     data = dict(BATCHED, tasks=[{"kind": "chat", "prompts": 2}], baselines=["hf_generate", "hf_generate_batch"],
                 runs={"accel_plain": []}, batch_sizes=[1, 2])
-    out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=make_tiny_model(),
+    out = run_experiment(load_config(write_yaml(tmp_path, data)), tmp_path / "out", model=make_tiny_model(),
                          tokenizer=CharTokenizer(), quiet=True)
     assert {r["config"] for r in _rows(out)} == {"hf_generate", "accel_plain"}
     assert "**unavailable:** continuous batching does not run here (test)" in (out / "summary.md").read_text()
     bad = dict(data, baselines=["hf_generate", "hf_prompt_lookup"], reference="hf_prompt_lookup")
     with pytest.raises(ValueError, match="reference 'hf_prompt_lookup' cannot run batches of 2"):
-        run_experiment(load_config(_write(tmp_path, bad, "bad.yaml")), tmp_path / "bad", model=make_tiny_model(),
+        run_experiment(load_config(write_yaml(tmp_path, bad, "bad.yaml")), tmp_path / "bad", model=make_tiny_model(),
                        tokenizer=CharTokenizer(), quiet=True)
     assert not (tmp_path / "bad").exists()
 
@@ -501,7 +491,7 @@ def test_code_file_items_fit_their_length_at_a_line_boundary(tmp_path):
     (tmp_path / "mod.py").write_text(code)
     data = dict(GOOD, tasks=[{"kind": "code_file", "files": ["mod.py"], "lengths": [300, 900],
                               "instruction": "Return it."}])
-    exp = load_config(_write(tmp_path, data))
+    exp = load_config(write_yaml(tmp_path, data))
     items = build_items(exp, CharTokenizer())
     assert [i.item_id for i in items] == ["mod-L300", "mod-L900"]
     for item, length in zip(items, (300, 900)):
@@ -514,7 +504,7 @@ def test_code_file_items_fit_their_length_at_a_line_boundary(tmp_path):
         longer = "\n".join(code.splitlines()[: item.meta["lines"] + 1])
         assert len(text) - len(body) + len(longer) > length
     with pytest.raises(ConfigError, match=r"tasks\[0\]\.files\[0\]: no such file"):
-        load_config(_write(tmp_path, dict(data, tasks=[{"kind": "code_file", "files": ["nowhere.py"]}])))
+        load_config(write_yaml(tmp_path, dict(data, tasks=[{"kind": "code_file", "files": ["nowhere.py"]}])))
 
 
 def test_warm_up_prompts_are_cut_to_their_last_tokens():

@@ -14,13 +14,7 @@ from accel.calibration.cost_model import (CostTable, DraftGuard, acceptance_gain
                                split_rows, static_table, weight_layout)
 from accel.kernels.cpu import PackedLinear, is_prepacked, is_transposed, prepack, prepack_supported
 from accel.models import _prepacked, load_model
-from helpers import make_tiny_model
-
-
-def table(tokens, ms, cache_lens=(256,), **kw) -> CostTable:
-    """A fake table; ``ms`` is one row per cache length (or one row for all)."""
-    rows = ms if isinstance(ms[0], (list, tuple)) else [ms] * len(cache_lens)
-    return CostTable(tokens=tuple(tokens), cache_lens=tuple(cache_lens), ms=tuple(tuple(r) for r in rows), **kw)
+from helpers import fake_measure, fake_table as table, make_tiny_model
 
 
 FLAT = table([1, 64], [10.0, 10.0])
@@ -42,23 +36,6 @@ def one_thread():
     torch.set_num_threads(1)  # a loaded 2-core machine makes 2 threads spin; timings are not checked
     yield
     torch.set_num_threads(threads)
-
-
-def fake_measure(calls: list | None = None, packed: tuple[int, ...] = (), transposed: float = 2.0,
-                 split: tuple[int, ...] = ()):
-    """A stand-in for timing.measure whose packed kernels win at the ``packed`` ones of its
-    token counts (1, 8, 64), whose transposed kernels take ``transposed`` ms against
-    plain ones' 2 ms, and whose split kernels beat all of them at the ``split`` ones."""
-    def measure(model, **kwargs):
-        if calls is not None:
-            calls.append(kwargs)
-        tokens = (1, 8, 64)
-        kernel_ms = {"plain": ((2.0,) * 3,), "transposed": ((transposed,) * 3,),
-                     "packed": (tuple(1.0 if n in packed else 3.0 for n in tokens),),
-                     "split": (tuple(0.5 if n in split else 4.0 for n in tokens),)}
-        return table(tokens, [1.0, 2.0, 3.0], kernel_tokens=tokens, kernel_ms=kernel_ms)
-
-    return measure
 
 
 def refuse(*args, **kwargs):

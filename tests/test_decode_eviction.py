@@ -7,18 +7,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-import accel
 from typing import ClassVar
+
+import accel
 
 from accel import adapter
 from accel.engine import Batch, Row, plan_strategies
 from accel.maintenance import Upkeep
 from accel.strategy import StrategyError, build_strategy
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import Scripted, TINY_VOCAB, assert_same_caches, decode_snapshots, make_tiny_model
 from snapkv import H2O, AdaSnapKV, SnapKV, StreamingLLM
 from snapkv.scoring import decode_votes, window_scores
 from speculative import PromptLookup
-from helpers import Scripted
 
 
 @pytest.fixture(scope="module")
@@ -31,76 +31,6 @@ def _prompts():
     a = torch.randint(2, TINY_VOCAB, (9,), generator=torch.Generator().manual_seed(5)).repeat(5)
     b = torch.randint(2, TINY_VOCAB, (7,), generator=torch.Generator().manual_seed(6)).repeat(4)
     return [a, b]
-
-
-def decode_snapshots(model, prompts, strategies, new: int) -> tuple[list[Row], dict]:
-    """Decode ``prompts`` together with ``strategies`` (greedy) through a Batch, and after
-    the prefill and every step keep each row's cache entries: returns (the rows, with their
-    generated tokens and stats, {(row, logical length): [(keys, values, valid) per layer]}).
-    Asserts on the way that no step takes a row past its next cache event (eviction,
-    quantization)."""
-    plan = plan_strategies(list(strategies))
-    rows = [Row(prompt=p, plan=plan, max_new_tokens=new, eos=frozenset()) for p in prompts]
-    batch = Batch(model)
-    snaps: dict = {}
-
-    def keep():
-        for b, row in enumerate(batch.rows):
-            key = (rows.index(row), batch.cache.logical_lengths[b])
-            if row.upkeep is not None and row.upkeep.compressor is not None:  # positions it tracks are right
-                for layer in row.upkeep.layers:
-                    held = row.upkeep.entry_positions(batch.cache, layer, b)
-                    for h, real in enumerate(_valid(batch.cache, layer, b)):
-                        p = held[h][real]
-                        assert bool((p[1:] > p[:-1]).all()) and int(p[-1]) == key[1] - 1, (key, layer, h)
-            snaps[key] = [(batch.cache.keys(layer, b).clone(), batch.cache.values(layer, b).clone(),
-                           _valid(batch.cache, layer, b)) for layer in range(batch.cache.num_layers)]
-
-    with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
-        batch.admit(rows)
-        keep()
-        while batch.rows:
-            before = {id(r): (batch.cache.logical_lengths[b], _room(batch.cache, b, r.upkeep))
-                      for b, r in enumerate(batch.rows)}
-            batch.step()
-            for b, r in enumerate(batch.rows):
-                length, room = before[id(r)]
-                assert batch.cache.logical_lengths[b] - length <= room, (length, room)
-            keep()
-            batch.retire_done()
-    return rows, snaps
-
-
-def _room(cache, row: int, up) -> int:
-    """Tokens a row may commit before its cache has to change: until it holds budget + slack
-    entries per head (eviction; without a budget, slack tokens after the last one), or until a
-    group of loose entries fills (quantization)."""
-    room = 10**9
-    if up.compressor is not None and up.budget is None:  # evicted every slack tokens
-        room = up.since + up.slack - cache.logical_lengths[row]
-    elif up.compressor is not None:
-        room = up.budget + up.slack - max(cache.entries_per_head(layer, row) for layer in up.layers)
-    if up.quantizer is not None:
-        loose = max(cache.row_lengths(layer)[row] - up.quantized[layer] for layer in up.layers)
-        room = min(room, up.quantizer.group_size() - loose)
-    return room
-
-
-def _valid(cache, layer: int, row: int) -> torch.Tensor:
-    """[H_kv, n] validity of one row's entries (all True where the cache keeps no padding)."""
-    valid = cache.entry_valid(layer, row)
-    return valid if valid is not None else torch.ones(cache.keys(layer, row).shape[1:3], dtype=torch.bool)
-
-
-def assert_same_caches(drafted: dict, plain: dict) -> None:
-    """Every cache state the drafted run went through is the plain run's at the same length
-    (a drafted row's last step may accept tokens past its end, beyond what plain reached)."""
-    common = drafted.keys() & plain.keys()
-    assert len(common) >= len(drafted) - len({row for row, _ in drafted})
-    for key in common:
-        for (k, v, valid), (pk, pv, pvalid) in zip(drafted[key], plain[key]):
-            assert k.shape == pk.shape and torch.equal(valid, pvalid), key
-            assert torch.allclose(k, pk, atol=1e-5) and torch.allclose(v, pv, atol=1e-5), key
 
 
 def _head_counts(cache, layer: int, row: int) -> torch.Tensor:
@@ -128,7 +58,7 @@ def test_entries_stay_within_budget_plus_slack_over_a_long_generation(model, str
     plan = plan_strategies([strategy])
     rows = [Row(prompt=p, plan=plan, max_new_tokens=60, eos=frozenset()) for p in _prompts()]
     batch = Batch(model)
-    peak, lowest_after_peak = 0, None
+    peak = 0
     with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
         batch.admit(rows)
         while batch.rows:

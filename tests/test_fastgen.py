@@ -8,12 +8,10 @@ import pytest
 import torch
 
 from accel.strategy import StrategyError, build_strategy
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import Scripted, TINY_VOCAB, assert_same_caches, decode_snapshots, make_tiny_model
 from snapkv import FastGen
 from snapkv.fastgen import POLICIES, choose_policies, policy_masks
 from speculative import PromptLookup
-from test_decode_eviction import assert_same_caches, decode_snapshots
-from helpers import Scripted
 
 
 def _masks(votes, ids, window=1, special=(7,), punctuation=(9,), frequent=0.25, local=0.5):

@@ -12,12 +12,10 @@ from accel.cache import SharedCache
 from accel.engine import Batch, Row, plan_strategies
 from accel.strategy import StrategyError, build_strategy
 from accel.steps import prefill
-from helpers import TINY_VOCAB, make_tiny_model
+from helpers import Scripted, TINY_VOCAB, decode_snapshots, make_tiny_model
 from snapkv import GEAR, SnapKV
 from snapkv.gear import quantize_group
 from speculative import PromptLookup
-from test_decode_eviction import decode_snapshots
-from helpers import Scripted
 
 
 @pytest.fixture(scope="module")

@@ -361,7 +361,7 @@ def test_a_model_quantized_in_place_is_probed_again(monkeypatch):
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_each_quantization_gets_its_own_cost_table(scheme, tmp_path, monkeypatch):
     from accel.calibration import calibrate, timing
-    from test_calibrate import fake_measure
+    from helpers import fake_measure
 
     monkeypatch.setenv("ACCEL_CACHE", str(tmp_path))
     monkeypatch.delenv("ACCEL_CALIBRATION", raising=False)
@@ -408,28 +408,28 @@ def test_an_interrupted_calibration_leaves_nothing_half_written(tmp_path, monkey
 
 def test_bench_schema_takes_quantize_and_precisions(tmp_path):
     from accel.bench import ConfigError, load_config
-    from test_bench import CONFIGS, _write
+    from helpers import CONFIGS, write_yaml
 
     base = {"tasks": [{"kind": "chat", "prompts": 1}], "runs": {"plain": []}}
-    exp = load_config(_write(tmp_path, dict(base, quantize="int4")))
+    exp = load_config(write_yaml(tmp_path, dict(base, quantize="int4")))
     assert str(exp.quantize) == "int4" and exp.precision == "int4" and exp.configuration_names() == ["hf_generate", "plain"]
-    exp = load_config(_write(tmp_path, dict(base, quantize={"scheme": "int4", "lm_head": True})))
+    exp = load_config(write_yaml(tmp_path, dict(base, quantize={"scheme": "int4", "lm_head": True})))
     assert exp.precision == "int4:lm_head=true"
     assert json.loads(json.dumps(exp.model_dump(mode="json")))["quantize"]["scheme"] == "int4"
-    exp = load_config(_write(tmp_path, dict(base, precisions=["fp32", "bf16", "int8"], reference="plain@float32")))
+    exp = load_config(write_yaml(tmp_path, dict(base, precisions=["fp32", "bf16", "int8"], reference="plain@float32")))
     assert exp.precisions == ["float32", "bfloat16", "int8"]
     assert exp.configuration_names()[:3] == ["hf_generate@float32", "plain@float32", "hf_generate@bfloat16"]
     bad = dict(base, quantize="int3", precisions=["int4", "int4", "int2"])
     with pytest.raises(ConfigError) as err:
-        load_config(_write(tmp_path, bad))
+        load_config(write_yaml(tmp_path, bad))
     text = str(err.value)
     assert "quantize: unknown quantization 'int3'" in text and "precisions[2]: unknown precision 'int2'" in text
     with pytest.raises(ConfigError, match="precisions: int4 is listed twice"):
-        load_config(_write(tmp_path, dict(base, precisions=["int4", "int4"], reference="plain@int4")))
+        load_config(write_yaml(tmp_path, dict(base, precisions=["int4", "int4"], reference="plain@int4")))
     with pytest.raises(ConfigError, match="quantize: with precisions"):
-        load_config(_write(tmp_path, dict(base, quantize="int8", precisions=["int4"], reference="plain@int4")))
+        load_config(write_yaml(tmp_path, dict(base, quantize="int8", precisions=["int4"], reference="plain@int4")))
     with pytest.raises(ConfigError, match="reference: 'hf_generate' is neither"):
-        load_config(_write(tmp_path, dict(base, precisions=["int4"])))
+        load_config(write_yaml(tmp_path, dict(base, precisions=["int4"])))
     shipped = load_config(CONFIGS / "precision.yaml")
     assert shipped.precisions == ["float32", "bfloat16", "int8", "int4"] and shipped.reference == "accel_plain@float32"
     assert {"prompt_lookup@int4", "medusa@int8", "accel_plain@bfloat16"} <= set(shipped.configuration_names())
@@ -439,12 +439,12 @@ def test_bench_schema_takes_quantize_and_precisions(tmp_path):
 def test_bench_runs_every_configuration_on_every_precision(tmp_path):
     from accel.bench import load_config, run_experiment
     from helpers import CharTokenizer
-    from test_bench import _write
+    from helpers import write_yaml
 
     data = {"tasks": [{"kind": "chat", "prompts": 2}], "baselines": ["hf_generate"],
             "runs": {"plain": [], "lookup": ["prompt_lookup"]}, "precisions": ["float32", "int8", "int4"],
             "reference": "plain@float32", "generation": {"max_new_tokens": 6}, "warmup_tokens": 0, "threads": 1}
-    out = run_experiment(load_config(_write(tmp_path, data)), tmp_path / "out", model=make_tiny_model(seed=15),
+    out = run_experiment(load_config(write_yaml(tmp_path, data)), tmp_path / "out", model=make_tiny_model(seed=15),
                          tokenizer=CharTokenizer(), quiet=True)
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert not [r["error"] for r in rows if r["error"]]

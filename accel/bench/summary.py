@@ -44,7 +44,7 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         + ("; linear weights stored column-major (`accel.kernels.cpu.transpose_weights`), baselines included"
            if machine.get("transposed") else "")
         + ("; linear weights prepacked for oneDNN (`accel.kernels.cpu.prepack`), baselines included" if machine.get("prepacked") else ""),
-        f"- **Generation:** "
+        "- **Generation:** "
         + ("greedy" if not gen.get("temperature") else
            f"sampled at temperature {gen['temperature']}" + (f", top_p {gen['top_p']}" if gen.get("top_p") else "")
            + " (seeded per item; outputs not compared token by token)")

@@ -27,7 +27,6 @@ def _served_name(spec: str) -> str:
 
 def run_cli(args: Any) -> int:
     """``accel serve`` (flags in :mod:`accel.cli`): load the model, start an Engine, serve until interrupted."""
-    import torch
     import uvicorn
 
     import accel
