@@ -53,6 +53,9 @@ __all__ = [
     "ordered_capable",
     "default_eos",
     "context_length",
+    "DecoderWeights",
+    "decoder_weights",
+    "has_hooks",
 ]
 
 
@@ -551,9 +554,10 @@ def _cache_argument(kwargs: dict[str, Any]) -> Any:
 
 
 @contextmanager
-def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable) -> Iterator[None]:
+def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable, masks_only: bool = False) -> Iterator[None]:
     """Run ``fn(module, hidden_states, kwargs) -> new kwargs | None`` before every attention
-    layer of the forwards that carry ``cache`` (others are untouched); removed on exit."""
+    layer of the forwards that carry ``cache`` (others are untouched); removed on exit.
+    ``masks_only``: ``fn`` only swaps masks (:func:`has_hooks` does not count it)."""
 
     def hook(module, args, kwargs):
         if _cache_argument(kwargs) is not cache:
@@ -562,6 +566,7 @@ def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable) -> Ite
         new = fn(module, hidden, kwargs)
         return None if new is None else (args, new)
 
+    hook.masks_only = masks_only
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
     try:
         yield
@@ -586,7 +591,7 @@ def per_layer_masks(model: PreTrainedModel, cache: Any) -> Iterator[None]:
 
     cache.mask_hook = True
     try:
-        with _pre_attention_hook(model, cache, hook):
+        with _pre_attention_hook(model, cache, hook, masks_only=True):
             yield
     finally:
         cache.mask_hook = False
@@ -745,3 +750,83 @@ def packed_gqa_attention(model: PreTrainedModel) -> Iterator[None]:
                 if entry[0] == 0:
                     config._attn_implementation = entry[1]
                     del _switched[id(config)]
+
+
+# --------------------------------------------------------------------------- lean decoders
+
+#: Architectures whose decoder layer is exactly: RMSNorm, q/k/v projections (biases allowed),
+#: rotary embeddings, attention, o projection, residual, RMSNorm, a SiLU-gated MLP, residual.
+LEAN_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class DecoderWeights:
+    """A Llama-family decoder as plain tensors (views of the model's own parameters), for
+    :mod:`accel.kernels.compiled`.
+
+    layers: per decoder layer (input norm, q weight, q bias, k weight, k bias, v weight, v
+        bias, o weight, o bias, post-attention norm, gate weight, up weight, down weight);
+        a bias is None where the layer has none.
+    rotary: ``rotary(like, positions [B, T]) -> (cos, sin)`` each [B, T, D] of ``like``'s dtype.
+    """
+
+    embed: torch.Tensor
+    layers: tuple[tuple[torch.Tensor | None, ...], ...]
+    norm: torch.Tensor
+    eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scaling: float
+    rotary: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def decoder_weights(model: PreTrainedModel) -> tuple[DecoderWeights | None, str]:
+    """``model``'s decoder as :class:`DecoderWeights`, or (None, why not): only the
+    architectures of :data:`LEAN_ARCHITECTURES` with plain ``nn.Linear`` projections (not
+    prepacked or quantized), SiLU MLPs and no sliding windows qualify."""
+    cfg = model.config.get_text_config(decoder=True)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in LEAN_ARCHITECTURES:
+        return None, f"its architecture ({kind}) is not one the compiled step covers ({', '.join(LEAN_ARCHITECTURES)})"
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        return None, f"its MLP activation is {cfg.hidden_act}, not silu"
+    if any(w is not None for w in layer_windows(model)):
+        return None, "it has sliding-window layers"
+    decoder = model.get_decoder()
+    rotary = getattr(decoder, "rotary_emb", None)
+    if rotary is None or getattr(decoder, "embed_tokens", None) is None:
+        return None, "its decoder has no rotary_emb or embed_tokens"
+    layers = []
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        odd = [type(m).__name__ for m in linears if type(m) is not torch.nn.Linear]
+        if odd:
+            return None, f"its linear layers are {odd[0]} (prepacked or quantized), not torch.nn.Linear"
+        if any(m.bias is not None for m in linears[4:]):
+            return None, "its MLP has biases"
+        layers.append((layer.input_layernorm.weight, attn.q_proj.weight, attn.q_proj.bias, attn.k_proj.weight,
+                       attn.k_proj.bias, attn.v_proj.weight, attn.v_proj.bias, attn.o_proj.weight, attn.o_proj.bias,
+                       layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight,
+                       mlp.down_proj.weight))
+    geo = geometry(model)
+    eps = getattr(cfg, "rms_norm_eps", None)
+    if eps is None:
+        return None, "its config has no rms_norm_eps"
+    scaling = getattr(decoder.layers[0].self_attn, "scaling", geo.head_dim ** -0.5)
+    return DecoderWeights(
+        embed=decoder.embed_tokens.weight, layers=tuple(layers), norm=decoder.norm.weight, eps=float(eps),
+        heads=geo.num_heads, kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, scaling=float(scaling),
+        rotary=lambda like, positions: rotary(like, position_ids=positions),
+    ), ""
+
+
+def has_hooks(model: PreTrainedModel) -> bool:
+    """Whether any module of ``model``'s decoder carries forward hooks (accel's own capture
+    contexts, a user's): a forward that bypasses the modules would skip them. The hook of
+    :func:`per_layer_masks` does not count (it only swaps masks that differ between layers)."""
+    for module in model.get_decoder().modules():
+        if module._forward_hooks or any(not getattr(h, "masks_only", False) for h in module._forward_pre_hooks.values()):
+            return True
+    return False

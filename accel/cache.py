@@ -216,6 +216,16 @@ class SharedCache(TransformersCache):
             self._store_prompt(layer_idx, keys, values)
             return keys, values  # the prompt attends to the whole prompt
         bsz, t = keys.shape[0], keys.shape[2]
+        base, span = self.claim(layer_idx, bsz, t, keys)
+        self._k[layer_idx][:bsz, :, base : base + t] = keys
+        self._v[layer_idx][:bsz, :, base : base + t] = values
+        return self._k[layer_idx][:bsz, :, :span], self._v[layer_idx][:bsz, :, :span]
+
+    def claim(self, layer_idx: int, bsz: int, t: int, like: torch.Tensor) -> tuple[int, int]:
+        """Make room for T new entries per row in one layer and book them as this step's
+        (uncommitted): returns (base, span), the column where they go and the columns
+        attention sees. The caller writes keys and values [B, H_kv, T, D] at ``base`` into
+        :meth:`storage` (``like``: a tensor of their shape, dtype and device)."""
         if not self.batch_size and self._prefill is None:  # a bare forward on an empty cache: B empty rows
             self.logical_lengths = [0] * bsz
             self._len = [[0] * bsz for _ in range(self.num_layers)]
@@ -223,15 +233,17 @@ class SharedCache(TransformersCache):
             raise ValueError(f"the forward has {bsz} rows but the cache holds {self.batch_size}")
         base = self.physical_length(layer_idx)
         span = self._span(base + t)
-        self._reserve(layer_idx, bsz, span, keys)
-        self._k[layer_idx][:bsz, :, base : base + t] = keys
-        self._v[layer_idx][:bsz, :, base : base + t] = values
+        self._reserve(layer_idx, bsz, span, like)
         if self._pos[layer_idx] is not None and self._step_positions is not None:
             self._pos[layer_idx][:bsz, base : base + t] = self._step_positions
         if not self._pending[layer_idx]:
             self._base[layer_idx] = base
         self._pending[layer_idx] += t
-        return self._k[layer_idx][:bsz, :, :span], self._v[layer_idx][:bsz, :, :span]
+        return base, span
+
+    def storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's whole key and value buffers, [Bcap, H_kv, capacity, D] each."""
+        return self._k[layer_idx], self._v[layer_idx]
 
     # ------------------------------------------------------------------ prefill
 

@@ -11,13 +11,16 @@ from accel.kernels.lowbit import quantize_arg
 
 __all__ = ["main"]
 
+_COMPILE_HELP = ("run decode and verify steps as one compiled graph (accel.kernels.compiled): on, auto (where it "
+                 "covers the architecture) or off (default)")
+
 
 def _generate(args: argparse.Namespace) -> int:
     import accel
     from accel.models import chat_ids, load_model
 
     strategies = accel.build_strategies(args.strategy)  # validate before loading the model
-    model, tokenizer = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, quantize=args.quantize, compile=args.compile)
     if args.raw:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
     else:
@@ -133,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", type=dtype_arg, default="float32",
                    help="weights and KV cache dtype (greedy drafting stays exact in each; see accel.kernels.invariance)")
     g.add_argument("--quantize", type=quantize_arg, default=None, help=_QUANTIZE_HELP)
+    g.add_argument("--compile", choices=("auto", "on", "off"), default="off", help=_COMPILE_HELP)
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run a YAML-configured speed-up experiment")
@@ -208,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(float32; default 256, 0: off)")
     s.add_argument("--dtype", type=dtype_arg, default="float32")
     s.add_argument("--quantize", type=quantize_arg, default=None, help=_QUANTIZE_HELP)
+    s.add_argument("--compile", choices=("auto", "on", "off"), default="off", help=_COMPILE_HELP + "; the server "
+                   "compiles its steps before it starts listening")
     s.add_argument("--max-tokens", type=int, default=None, help="max_tokens of requests that give none (default 256)")
     s.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists "
                    "(default: from --model)")

@@ -240,6 +240,7 @@ def load_model(
     attn_implementation: str | None = "sdpa",
     prepack: bool | Literal["auto"] = "auto",
     quantize: str | None = None,
+    compile: Literal["auto", "on", "off"] = "off",
 ):
     """Load a causal LM and its tokenizer, from local files only.
 
@@ -271,10 +272,28 @@ def load_model(
     ``prepack`` does not apply. A wrong name lists the choices; a kernel this torch build or
     CPU lacks is a ValueError saying what is missing.
 
+    ``compile``: run decode and verify steps as one compiled graph
+    (:mod:`accel.kernels.compiled`): ``"on"``, ``"auto"`` (on where it covers the model's
+    architecture, quietly off elsewhere) or ``"off"`` (default: transformers' forward). The
+    compiled step takes the plain linear weights, so ``prepack="auto"`` does not pack then.
+
     Raises ``ValueError`` if the checkpoint is not a causal LM (the message names its class),
     and :class:`ModelNotAvailableError` (a ``FileNotFoundError``) if nothing local matches --
     nothing is ever downloaded.
     """
+    from .kernels.compiled import compile_modes, enable
+
+    if compile not in compile_modes:
+        raise ValueError(f"compile must be one of {', '.join(compile_modes)}, got {compile!r}")
+    if compile != "off" and prepack == "auto":
+        prepack = False
+    model, tokenizer = _load(name_or_path, dtype, device, attn_implementation, prepack, quantize)
+    if compile != "off":
+        enable(model, compile)
+    return model, tokenizer
+
+
+def _load(name_or_path, dtype, device, attn_implementation, prepack, quantize):
     if quantize is not None:
         from .kernels.lowbit import load_quantized
 

@@ -14,6 +14,7 @@ import torch
 from . import adapter
 from .acceptance import Acceptance, greedy_path, sample_accept
 from .cache import SharedCache
+from .kernels.compiled import step_of
 from .calibration.cost_model import round_up
 from .strategy import PromptCompressor, Strategy
 from .tree import DraftTree
@@ -134,6 +135,9 @@ def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torc
     """
     groups = groups if groups is not None else adapter.query_groups(model)
     mask = cache.prepare_step(positions, visible, dtype, groups)
+    compiled = step_of(model)
+    if compiled is not None and compiled.serves(model, cache):
+        return compiled(ids, positions, cache, mask)
     hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
     order = adapter.ordered_attention(cache) if cache.ordered else contextlib.nullcontext()
     with hook, order:

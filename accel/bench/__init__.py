@@ -140,23 +140,16 @@ def _models(experiment: Experiment, model: Any, tokenizer: Any) -> tuple[list[tu
     """``[(precision, model)]``: one model of ``dtype`` / ``quantize``, or one per entry of
     ``precisions``; loaded, or made from a given ``model`` (a copy per precision: cast, or
     quantized with :func:`accel.kernels.lowbit.quantize_model`). Also the tokenizer."""
-    import copy
-
     import torch
 
     from ..dtypes import DTYPES
-    from ..kernels.lowbit import quantization_of, quantize_model
+    from ..kernels.compiled import enable as enable_compiled
 
     wanted = experiment.precisions or [experiment.precision]
     if model is not None:
-        if not experiment.precisions:
-            if experiment.quantize is not None and quantization_of(model) is None:
-                model = quantize_model(copy.deepcopy(model), experiment.quantize)
-            return [(experiment.precision, model)], tokenizer
-        made = []
-        for p in wanted:
-            twin = copy.deepcopy(model)
-            made.append((p, twin.to(DTYPES[p]) if p in DTYPES else quantize_model(twin, p)))
+        made, tokenizer = _given(experiment, model, tokenizer, wanted)
+        for _, m in made:
+            enable_compiled(m, experiment.compile)
         return made, tokenizer
     from ..models import load_model
 
@@ -167,10 +160,28 @@ def _models(experiment: Experiment, model: Any, tokenizer: Any) -> tuple[list[tu
     for p in wanted:
         dtype, quantize = (p, None) if p in DTYPES else (experiment.dtype, p)
         loaded, loaded_tok = load_model(experiment.model, dtype=dtype, device=device, prepack=experiment.prepack,
-                                        quantize=quantize)
+                                        compile=experiment.compile, quantize=quantize)
         tokenizer = tokenizer if tokenizer is not None else loaded_tok
         models.append((p, loaded))
     return models, tokenizer
+
+
+def _given(experiment: Experiment, model: Any, tokenizer: Any, wanted: list[str]) -> tuple[list[tuple[str, Any]], Any]:
+    """The models of :func:`_models` made from a given ``model``."""
+    import copy
+
+    from ..dtypes import DTYPES
+    from ..kernels.lowbit import quantization_of, quantize_model
+
+    if not experiment.precisions:
+        if experiment.quantize is not None and quantization_of(model) is None:
+            model = quantize_model(copy.deepcopy(model), experiment.quantize)
+        return [(experiment.precision, model)], tokenizer
+    made = []
+    for p in wanted:
+        twin = copy.deepcopy(model)
+        made.append((p, twin.to(DTYPES[p]) if p in DTYPES else quantize_model(twin, p)))
+    return made, tokenizer
 
 
 def _command(args: Any) -> str:

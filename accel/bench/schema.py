@@ -296,6 +296,10 @@ class Experiment(_Model):
     """Pack float32 linear weights for oneDNN once (``accel.kernels.cpu.prepack``; CPU only): true,
     false, or ``auto`` (where this machine's calibration measured packed kernels faster). The
     baselines run on the same model, so they get the same kernels."""
+    compile: Literal["auto", "on", "off"] = "off"
+    """accel's decode and verify steps as one compiled graph (``accel.kernels.compiled``): ``on``,
+    ``auto`` (where it covers the architecture) or ``off`` (default). Baselines run transformers'
+    own forward either way; compiling happens in the warm-up, not in the timed runs."""
     device: str = "cpu"
     """torch device, e.g. ``cpu`` or ``cuda:0``."""
     threads: int | None = Field(None, gt=0)

@@ -57,6 +57,7 @@ import torch
 
 from .. import adapter
 from ..cache import SharedCache
+from .compiled import step_of
 from .lowbit import quantization_of
 from ..strategy import DraftProposal
 from ..tree import DraftTree
@@ -180,8 +181,9 @@ def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, bool]
         return 1, True
     quant = quantization_of(model)
     # a model quantized in place after a probe runs other kernels: probed again
+    # ... and a compiled step (accel.kernels.compiled) runs its own kernels: probed through it
     key = (geo.dtype, geo.device, torch.get_num_threads(), candidates,
-           None if quant is None else tuple(sorted(quant.key().items())))
+           None if quant is None else tuple(sorted(quant.key().items())), step_of(model) is not None)
     with _lock:
         known = _memo.setdefault(model, {})
         if key in known:

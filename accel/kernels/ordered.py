@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BLOCK", "Layout", "attend", "probe", "probe_widths"]
+__all__ = ["BLOCK", "Layout", "attend", "attend_gathered", "gathered_inputs", "probe", "probe_widths"]
 
 #: Keys per block of virtual columns.
 BLOCK = 64
@@ -196,26 +196,60 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         tops.append(top.reshape(b, hkv, nd, g, t).permute(0, 1, 3, 4, 2))
         sums.append(out.reshape(b, hkv, nd, d + 1, g, t).permute(0, 1, 4, 5, 2, 3))
 
-    nt = w // BLOCK  # the rest of every query's keys, gathered
-    rows = torch.arange(b, device=query.device)[:, None, None]
-    keys = torch.empty((b, hkv, t, nt, BLOCK, d), dtype=torch.float32, device=query.device)
+    top, acc = _tail(q, key, value, cols, m_tail, scale, g)
+    tops.append(top)
+    sums.append(acc)
+    return _merge(tops, sums, query.dtype)
+
+
+def _tail(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cols: torch.Tensor, m_tail: torch.Tensor,
+          scale: float, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gathered blocks of every query: q [B, H_q, T, D] float32, cols [B, T, W] (storage
+    columns in virtual order), m_tail the mask as :func:`_masks` lays it out. Returns per
+    block its max [B, H_kv, G, T, nt] and weighted sums [B, H_kv, G, T, nt, D + 1]."""
+    b, hq, t, d = q.shape
+    hkv = hq // g
+    nt = cols.shape[-1] // BLOCK
+    rows = torch.arange(b, device=q.device)[:, None, None]
+    keys = torch.empty((b, hkv, t, nt, BLOCK, d), dtype=torch.float32, device=q.device)
     keys.copy_(key.transpose(1, 2)[rows, cols].reshape(b, t, nt, BLOCK, hkv, d).permute(0, 4, 1, 2, 3, 5))
-    vals = torch.empty((b, hkv, t, nt, d + 1, BLOCK), dtype=torch.float32, device=query.device)
+    vals = torch.empty((b, hkv, t, nt, d + 1, BLOCK), dtype=torch.float32, device=q.device)
     vals[..., :d, :] = value.transpose(1, 2)[rows, cols].reshape(b, t, nt, BLOCK, hkv, d).permute(0, 4, 1, 2, 5, 3)
     vals[..., d, :] = 1.0  # [V_blk^T; 1]: the product's last row sums the weights
     qt = q.reshape(b, hkv, g, t, d).permute(0, 1, 3, 4, 2).unsqueeze(3)  # [B, H_kv, T, 1, D, G]
     scores = _mm(keys, qt) * scale + m_tail  # [B, H_kv, T, nt, BLOCK, G]
     top, weights = _weights(scores, dim=4)
     out = _mm(vals, weights)  # [B, H_kv, T, nt, D + 1, G]
-    tops.append(top.squeeze(4).permute(0, 1, 4, 2, 3))
-    sums.append(out.permute(0, 1, 5, 2, 3, 4))
+    return top.squeeze(4).permute(0, 1, 4, 2, 3), out.permute(0, 1, 5, 2, 3, 4)
 
+
+def _merge(tops: list[torch.Tensor], sums: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """Blocks merged with a common max and a sequential sum -> [B, T, H_q, D] of ``dtype``."""
     top = torch.cat(tops, dim=-1) if len(tops) > 1 else tops[0]  # [B, H_kv, G, T, blocks]
     acc = torch.cat(sums, dim=-2) if len(sums) > 1 else sums[0]  # [B, H_kv, G, T, blocks, D + 1]
+    b, hkv, g, t, _, d1 = acc.shape
     scale_b = torch.exp(top - top.amax(dim=-1, keepdim=True))
     total = (acc * scale_b.unsqueeze(-1)).cumsum(dim=-2)[..., -1, :]  # block order, one accumulator
-    out = total[..., :d] / total[..., d:]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, t, hq, d).to(query.dtype)
+    out = total[..., : d1 - 1] / total[..., d1 - 1 :]
+    return out.permute(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d1 - 1).to(dtype)
+
+
+def gathered_inputs(layout: Layout, mask: torch.Tensor, kv_heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """What :func:`attend_gathered` needs of a forward's layout and mask [B, 1, T, S]
+    (computed once per forward, every layer alike): (cols [B, T, W], m_tail)."""
+    cols, valid, _ = _tail_columns(layout, 0, mask.device)
+    _, m_tail = _masks(mask, layout, 0, kv_heads, groups, cols, valid)
+    return cols, m_tail
+
+
+def attend_gathered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cols: torch.Tensor,
+                    m_tail: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`attend` with every query's keys gathered (no blocks read in place), from the
+    tensors :func:`gathered_inputs` derived: plain tensor operations, for a compiled graph.
+    query [B, H_q, T, D]; key, value [B, H_kv, S, D]. Returns [B, T, H_q, D]."""
+    g = query.shape[1] // key.shape[1]
+    top, acc = _tail(query.float(), key, value, cols, m_tail, scale, g)
+    return _merge([top], [acc], query.dtype)
 
 
 def _data(head_dim: int, count: int):

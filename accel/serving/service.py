@@ -28,6 +28,7 @@ import torch
 from .. import adapter
 from ..api import _as_rows, check_sampling, make_rows
 from ..engine import DEFAULT_MAX_DRAFT, Batch, Plan, Row, Stats, plan_strategies
+from ..kernels.compiled import enable as enable_compiled
 from .prefix import PrefixStore
 from ..strategy import Strategy, build_strategies
 from ..text import TextStream
@@ -208,12 +209,18 @@ class Engine:
             like an earlier one (the chat template's system turn, the previous turn of a
             conversation, a retry) is prefilled only past the shared tokens (see
             :mod:`accel.serving.prefix`; float32 models, rows without prompt compression); 0: off.
+        compile: ``"on"``, ``"auto"`` or ``"off"``: decode and verify steps as one compiled
+            graph (:func:`accel.kernels.compiled.enable`); None (default): as the model was
+            loaded (``load_model(..., compile=)``).
     """
 
     def __init__(self, model: Any, strategies: Sequence[Strategy | str | dict] | None = (), *, max_batch: int = 8,
                  tokenizer: Any = None, max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
-                 eos_token_id: int | list[int] | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
+                 eos_token_id: int | list[int] | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 compile: str | None = None):
         adapter.check_causal_lm(model)
+        if compile is not None:  # else as the model was loaded
+            enable_compiled(model, compile)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or not (
