@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .. import adapter
-from ..api import _as_rows, check_sampling, make_rows
+from ..api import _as_rows, check_prefill_chunk, check_sampling, make_rows
 from ..engine import DEFAULT_MAX_DRAFT, Batch, Plan, Row, Stats, plan_strategies
 from .prefix import PrefixStore
 from ..strategy import Strategy, build_strategies
@@ -208,12 +208,16 @@ class Engine:
             like an earlier one (the chat template's system turn, the previous turn of a
             conversation, a retry) is prefilled only past the shared tokens (see
             :mod:`accel.serving.prefix`; float32 models, rows without prompt compression); 0: off.
+        prefill_chunk: prompt tokens per prefill forward (None: each admission's prompts in one
+            forward), see :func:`accel.steps.prefill`.
     """
 
     def __init__(self, model: Any, strategies: Sequence[Strategy | str | dict] | None = (), *, max_batch: int = 8,
                  tokenizer: Any = None, max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
-                 eos_token_id: int | list[int] | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB):
+                 eos_token_id: int | list[int] | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+                 prefill_chunk: int | None = None):
         adapter.check_causal_lm(model)
+        check_prefill_chunk(prefill_chunk)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if isinstance(prefix_cache_mb, bool) or not isinstance(prefix_cache_mb, (int, float)) or not (
@@ -226,7 +230,8 @@ class Engine:
         self.plan = self._plan(strategies)
         self.eos = adapter.default_eos(model, tokenizer) if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        self._batch = Batch(model, max_draft=max_draft_tokens, row_capacity=max_batch, prefixes=self.prefixes)
+        self._batch = Batch(model, max_draft=max_draft_tokens, row_capacity=max_batch, prefixes=self.prefixes,
+                            prefill_chunk=prefill_chunk)
         self._waiting: "queue.Queue[RequestHandle]" = queue.Queue()
         self._live: list[RequestHandle] = []
         self._ids = itertools.count()
@@ -332,7 +337,8 @@ class Engine:
                     if self.prefixes is not None:  # entries of the failed step's prompts are not trusted
                         self.prefixes.clear()
                     self._batch = Batch(self.model, max_draft=self._batch.max_draft, row_capacity=self.max_batch,
-                                        costs=self._batch.costs, prefixes=self.prefixes)
+                                        costs=self._batch.costs, prefixes=self.prefixes,
+                                        prefill_chunk=self._batch.prefill_chunk)
         finally:
             for h in self._live + self._drain():
                 self._finish(h, "cancelled")
