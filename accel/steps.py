@@ -7,7 +7,7 @@ batch of requests; :mod:`accel.kernels.invariance` runs them to probe this machi
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -18,7 +18,20 @@ from .calibration.cost_model import round_up
 from .strategy import PromptCompressor, Strategy
 from .tree import DraftTree
 
-__all__ = ["Warp", "prefill", "prefill_rest", "forward_tokens", "verify", "verify_logits", "accept", "commit"]
+__all__ = ["Warp", "prefill", "prefill_steps", "prefill_rest", "prefill_rest_steps", "exhaust", "forward_tokens",
+           "verify", "verify_logits", "accept", "commit"]
+
+#: A prefill run forward by forward: yields between forwards, returns the hidden states [B, H].
+PrefillSteps = Generator[None, None, torch.Tensor]
+
+
+def exhaust(steps: PrefillSteps) -> torch.Tensor:
+    """Run a :data:`PrefillSteps` generator to its end; returns what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 #: A sampling transform of float32 logits [N, V] (temperature, top-k, top-p); None is greedy.
 Warp = Callable[[torch.Tensor], torch.Tensor]
@@ -28,6 +41,14 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
             compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
             queries: dict[int, torch.Tensor] | None = None,
             kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None) -> torch.Tensor:
+    """:func:`prefill_steps` run to its end (see there)."""
+    return exhaust(prefill_steps(model, cache, prompts, compressors, queries, kept, chunk))
+
+
+def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
+                  compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
+                  queries: dict[int, torch.Tensor] | None = None,
+                  kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None) -> PrefillSteps:
     """Run B prompts through the model, filling (and compressing) an empty cache.
 
     prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
@@ -45,7 +66,9 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
         chunks they fall in, and once the last chunk is in, every layer is offered to its
         compressor with those queries and the whole prompt's keys: the same scores, the same
         selection, the same cache as one forward (within float tolerance).
-    Returns the final hidden state at each row's last prompt position, [B, H].
+    A generator: it yields after each chunk but the last (so that a caller may run other
+    forwards in between, :class:`accel.serving.Engine`), and returns the final hidden state at
+    each row's last prompt position, [B, H] (:func:`prefill` runs it through).
     """
     rows = _prompt_rows(prompts)
     if isinstance(compressors, PromptCompressor) or compressors is None:
@@ -72,7 +95,7 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
 
     compress = select if any(c is not None for c in compressors) else None
     if chunk is not None and chunk < n:
-        hidden = _prefill_chunks(model, cache, rows, chunk, window, queries)
+        hidden = yield from _prefill_chunks(model, cache, rows, chunk, window, queries)
         if compress is not None:
             cache.compress_prompt(compress)
         return hidden
@@ -93,14 +116,15 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
 
 
 def _prefill_chunks(model, cache: SharedCache, rows: list[torch.Tensor], chunk: int, window: int,
-                    queries: dict[int, torch.Tensor]) -> torch.Tensor:
+                    queries: dict[int, torch.Tensor]) -> PrefillSteps:
     """:func:`prefill` of ``rows`` ``chunk`` tokens at a time, uncompressed. The first chunk is
     a prefill of every row's first ``chunk`` tokens; each later one a forward of every row's
     next tokens on top of the cache (right-padded; a row already done feeds one padding
     token; padding sees only itself and is dropped), committed. ``queries`` receives, per
     layer, what one forward's capture would hold: [B, H_q, window, D], row b's slot j the
     query at position ``max(n_b - window + j, 0)``, taken in the chunk holding it.
-    Returns the final hidden state at each row's last prompt position, [B, H]."""
+    Yields after each chunk but the last; returns the final hidden state at each row's last
+    prompt position, [B, H]."""
     lengths = [int(r.numel()) for r in rows]
     bsz, n, device = len(rows), max(lengths), rows[0].device
     dtype, groups = adapter.geometry(model).dtype, adapter.query_groups(model)
@@ -149,6 +173,8 @@ def _prefill_chunks(model, cache: SharedCache, rows: list[torch.Tensor], chunk: 
         for b, m in enumerate(counts):
             if m and start + m == lengths[b]:
                 last[b] = hidden[b, m - 1].clone()
+        if start + chunk < n:
+            yield
     return torch.stack(last)
 
 
@@ -215,13 +241,20 @@ def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torc
 
 def prefill_rest(model, cache: SharedCache, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
                  groups: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """:func:`prefill_rest_steps` run to its end (see there)."""
+    return exhaust(prefill_rest_steps(model, cache, prompts, dtype, groups, chunk))
+
+
+def prefill_rest_steps(model, cache: SharedCache, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
+                       groups: int | None = None, chunk: int | None = None) -> PrefillSteps:
     """Prefill each row's prompt past the entries its row already holds (a reused prefix,
     :meth:`SharedCache.load_prefixes`): one forward of every row's remaining tokens
     (right-padded; padding sees only itself and is dropped), committed; with ``chunk``, one
     forward per ``chunk`` of them (a row already done feeds one padding token).
 
     prompts: per row a LongTensor [n_b], longer than the row's logical length.
-    Returns the final hidden state at each row's last prompt position, [B, H].
+    A generator, as :func:`prefill_steps`: yields after each chunk but the last; returns the
+    final hidden state at each row's last prompt position, [B, H].
     """
     starts = list(cache.logical_lengths)
     rest = [int(p.numel()) - s for p, s in zip(prompts, starts)]
@@ -249,6 +282,8 @@ def prefill_rest(model, cache: SharedCache, prompts: Sequence[torch.Tensor], dty
         for b, m in enumerate(counts):
             if m and done + m == rest[b]:
                 last[b] = hidden[b, m - 1].clone()
+        if done + step < max(rest):
+            yield
     return torch.stack(last)
 
 

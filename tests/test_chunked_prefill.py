@@ -6,6 +6,7 @@ they fall in), the same hidden state, the same greedy tokens."""
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from accel.steps import prefill, prefill_rest
 from snapkv import H2O, AdaSnapKV, FastGen, SnapKV
 from speculative import Medusa, PromptLookup
 
-from helpers import (CharTokenizer, alone_tokens, left_padded, make_tiny_config, make_tiny_model, random_prompt,
+from helpers import (CharTokenizer, alone_tokens, engine_held, left_padded, make_tiny_config, make_tiny_model, random_prompt,
                      repetitive_prompt, write_yaml)
 
 TOL = dict(rtol=1e-4, atol=1e-5)
@@ -285,3 +286,88 @@ def test_bench_generation_prefill_chunk(tmp_path, model, monkeypatch):
     config.generate(item, 4)
     config.batch([item, item], 4)
     assert seen == [16, 16]
+
+
+# ----------------------------------------------------------------------------- the Engine's interleaved admission
+
+
+@contextlib.contextmanager
+def forward_log(model):
+    """Record (rows, new tokens) of every decoder forward."""
+    log: list[tuple[int, int]] = []
+
+    def hook(module, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        log.append((int(ids.shape[0]), int(ids.shape[1])))
+
+    handle = model.get_decoder().register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield log
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
+def decoding(engine, prompt, new: int):
+    """Start a request of ``new`` tokens and hold the engine's thread once it has emitted 3 of
+    them (it is then running, with ``new - 3`` tokens to go); yields (handle, its tokens so
+    far, a list), and lets the engine go on at the end of the block. Requests submitted in the
+    block are admitted while it runs."""
+    reached, go = threading.Event(), threading.Event()
+    got: list[int] = []
+
+    def on_delta(delta):  # on the engine's thread
+        if delta is None:
+            return
+        got.extend(delta.tokens)
+        if len(got) >= 3 and not reached.is_set():
+            reached.set()
+            go.wait(60)
+
+    with engine_held(engine, random_prompt(24, 4)):  # so every delta comes on the engine's thread
+        handle = engine.submit(prompt, max_new_tokens=new)
+        handle.on_delta(on_delta)
+    assert reached.wait(60)
+    try:
+        yield handle, got
+    finally:
+        go.set()
+
+
+class ExplodingSnapKV(SnapKV):
+    """SnapKV that raises when it compresses layer 1."""
+
+    def select(self, layer_idx, queries, keys, values, tokens=None):
+        if layer_idx == 1:
+            raise RuntimeError("compressor exploded")
+        return super().select(layer_idx, queries, keys, values, tokens)
+
+
+@pytest.mark.parametrize("strategies", [[], [SnapKV(budget=16, window=4, kernel=3)]], ids=["plain", "snapkv"])
+def test_a_long_prompt_prefills_between_the_running_rows_steps(model, strategies):
+    running, long = repetitive_prompt(22, 20)[0], random_prompt(23, 50)[0]
+    with accel.Engine(model, max_batch=4, eos_token_id=[], prefill_chunk=8) as engine, forward_log(model) as log:
+        with decoding(engine, running, 40) as (first, got):
+            log.clear()  # the engine's thread is held: nothing runs until the block ends
+            second = engine.submit(long, max_new_tokens=10, strategies=strategies)
+        first_result, second_result = first.result(timeout=120), second.result(timeout=120)
+        assert engine.metrics()["prefills"] == 3  # the gate's, the running row's, the long prompt's
+    # the new prompt's 7 chunks (6 x 8 tokens + 2), each of the first 6 followed by one step of
+    # the running row; after the last one the new row joins and the two step together
+    assert log[:14] == [(1, 8), (1, 1)] * 6 + [(1, 2), (2, 1)]
+    assert first_result.tokens == got == alone_tokens(model, running, 40)
+    assert second_result.tokens == alone_tokens(model, long, 10, strategies)
+    if strategies:
+        assert second_result.stats.kv_bytes_kept < second_result.stats.kv_bytes_full
+
+
+def test_a_failing_chunked_admission_ends_only_its_own_request(model):
+    running, good, bad = repetitive_prompt(25, 20)[0], random_prompt(26, 30)[0], random_prompt(27, 30)[0]
+    with accel.Engine(model, max_batch=4, eos_token_id=[], prefill_chunk=8) as engine:
+        with decoding(engine, running, 40) as (first, got):
+            failing = engine.submit(bad, max_new_tokens=6, strategies=[ExplodingSnapKV(budget=16, window=4)])
+            fine = engine.submit(good, max_new_tokens=6)  # admitted with it, then retried alone
+        results = [h.result(timeout=120) for h in (first, failing, fine)]
+    assert results[1].finish_reason == "error" and "compressor exploded" in results[1].error
+    assert results[0].tokens == got == alone_tokens(model, running, 40)
+    assert results[2].tokens == alone_tokens(model, good, 6)
