@@ -45,6 +45,7 @@ __all__ = [
     "check_window_queries",
     "capture_window_queries",
     "capture_step_queries",
+    "capture_queries_at",
     "per_layer_masks",
     "layer_windows",
     "query_groups",
@@ -513,9 +514,7 @@ def capture_window_queries(
         pos_emb = kwargs.get("position_embeddings")
         if ends is not None:
             idx = (ends.to(hidden.device).unsqueeze(1) - window + torch.arange(window, device=hidden.device)).clamp(min=0)
-            hidden = _take_rows(hidden, idx)
-            if pos_emb is not None:
-                pos_emb = tuple(_take_rows(p, idx) if p.shape[0] == hidden.shape[0] else p[:, idx[0]] for p in pos_emb)
+            hidden, pos_emb = _at_positions(hidden, pos_emb, idx)
         sink[module.layer_idx] = _window_queries(module, layout, hidden, pos_emb, window)
         return None
 
@@ -538,6 +537,36 @@ def capture_step_queries(model: PreTrainedModel, cache: Cache, sink: dict[int, t
 
     with _pre_attention_hook(model, cache, hook):
         yield
+
+
+@contextmanager
+def capture_queries_at(model: PreTrainedModel, cache: Cache, index: torch.Tensor,
+                       sink: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While active, each attention layer's queries of chosen tokens of a forward that carries
+    ``cache`` land in ``sink[layer_idx]`` ([B, H_q, w, D], computed as
+    :func:`capture_window_queries` computes the prompt's).
+
+    index: LongTensor [B, w], per row the positions (within the forward's T tokens) whose
+        queries to take: a chunked prefill (:func:`accel.steps.prefill`) collects each row's
+        observation window from the chunks it falls in. Removed on exit.
+    """
+    layouts = {_layer_index(m): query_layout(m, type(model).__name__) for m in _attention_modules(model)}
+
+    def hook(module, hidden, kwargs):
+        picked, pos_emb = _at_positions(hidden, kwargs.get("position_embeddings"), index.to(hidden.device))
+        sink[module.layer_idx] = _window_queries(module, layouts[module.layer_idx], picked, pos_emb, index.shape[1])
+        return None
+
+    with _pre_attention_hook(model, cache, hook):
+        yield
+
+
+def _at_positions(hidden: torch.Tensor, pos_emb: Any, idx: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """The attention input [B, L, H] and its (cos, sin) at per-row positions idx [B, w]."""
+    hidden = _take_rows(hidden, idx)
+    if pos_emb is not None:
+        pos_emb = tuple(_take_rows(p, idx) if p.shape[0] == hidden.shape[0] else p[:, idx[0]] for p in pos_emb)
+    return hidden, pos_emb
 
 
 def _take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

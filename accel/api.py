@@ -115,6 +115,14 @@ def check_sampling(max_new_tokens: Any, temperature: float, top_k: int | None, t
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
+def check_prefill_chunk(prefill_chunk: Any) -> None:
+    """Raise a ValueError naming ``prefill_chunk`` unless it is None or an integer >= 1."""
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk must be an integer >= 1 (prompt tokens per prefill forward) or None, "
+                         f"got {prefill_chunk!r}")
+
+
 def check_context(model: Any, prompt_len: int, max_new_tokens: int, where: str = "prompt") -> None:
     """Raise a ValueError when ``prompt_len + max_new_tokens`` exceeds the model's context."""
     limit = adapter.context_length(model)
@@ -144,9 +152,10 @@ def make_rows(model: Any, rows: list[torch.Tensor], plan: Plan, *, max_new_token
 
 
 def _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id, tokenizer, seed,
-             attention_mask):
+             attention_mask, prefill_chunk):
     adapter.check_causal_lm(model)
     check_sampling(max_new_tokens, temperature, top_k, top_p)
+    check_prefill_chunk(prefill_chunk)
     plan = plan_strategies(build_strategies(strategies))
     plan.check(model)
     rows = _as_rows(inputs, tokenizer, attention_mask)
@@ -170,6 +179,7 @@ def generate(
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
     max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
+    prefill_chunk: int | None = None,
 ) -> GenerateResult:
     """Generate with prompt compression and/or speculative decoding on one shared cache.
 
@@ -189,14 +199,18 @@ def generate(
             ``accel.engine.MAX_DRAFT_PER_ROW``). Within that limit each step's drafts are
             sized from the measured cost table and each row's acceptance so far
             (:func:`accel.engine.draft_budgets`).
+        prefill_chunk: prompt tokens per prefill forward (None: the whole prompt in one).
+            Activation memory then follows the chunk, not the prompt; the cache, the
+            compressors' selection and the output are those of one forward (within float
+            tolerance; see docs/LONG_CONTEXT.md).
 
     All rows are decoded together, one verify forward per step for the whole batch (each
     row with its own cache entries, positions and draft tree), and every row's output is
     what it would be alone. ``result.row_stats`` has each row's own figures.
     """
     rows, eos = _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                         tokenizer, seed, attention_mask)
-    stats = run_batch(model, rows, max_draft=max_draft_tokens)
+                         tokenizer, seed, attention_mask, prefill_chunk)
+    stats = run_batch(model, rows, max_draft=max_draft_tokens, prefill_chunk=prefill_chunk)
     outputs = [(r.prompt, r.prompt.new_tensor(r.generated)) for r in rows]
     sequences = _pad(outputs, pad_id(model, tokenizer, eos))
     text = None
@@ -218,6 +232,7 @@ def stream(
     seed: int | None = None,
     attention_mask: torch.Tensor | None = None,
     max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
+    prefill_chunk: int | None = None,
 ) -> Iterator[StreamDelta]:
     """:func:`generate`, yielding each row's newly accepted tokens as they are accepted.
 
@@ -226,10 +241,10 @@ def stream(
     work runs in the calling thread, between the yields.
     """
     rows, _ = _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                       tokenizer, seed, attention_mask)
+                       tokenizer, seed, attention_mask, prefill_chunk)
     index = {id(r): i for i, r in enumerate(rows)}
     texts = [TextStream(tokenizer) if tokenizer is not None else None for _ in rows]
-    for pairs in batch_steps(model, rows, max_draft=max_draft_tokens):
+    for pairs in batch_steps(model, rows, max_draft=max_draft_tokens, prefill_chunk=prefill_chunk):
         for row, new in pairs:
             i = index[id(row)]
             if new or row.done:

@@ -267,6 +267,38 @@ class SharedCache(TransformersCache):
         self.logical_lengths = list(self._prefill.lengths)
         self._prefill = None
 
+    def reserve(self, columns: int) -> None:
+        """Make every stored full-attention layer hold ``columns`` entries per row without
+        growing again (a chunked prefill reserves its prompt after the first chunk, so later
+        chunks append without copying what came before)."""
+        for layer in range(self.num_layers):
+            if self._k[layer] is not None and self.windows[layer] is None:
+                self._reserve(layer, self.batch_size, columns, self._k[layer])
+
+    def compress_prompt(self, select: RowSelector) -> None:
+        """Compress rows that hold their whole prompts, uncompressed and committed (a chunked
+        prefill), exactly as :meth:`begin_prefill`'s ``select`` would have during a one-forward
+        prefill: per full-attention layer, each row's n prompt entries ``[1, H_kv, n, D]`` are
+        offered to ``select`` and only what it keeps is stored (in storage of the kept size;
+        the uncompressed layer is freed before the next one is compressed)."""
+        if any(self._pending) or self._prefill is not None:
+            raise RuntimeError("compress_prompt() with uncommitted entries or inside a prefill")
+        lengths = list(self.logical_lengths)
+        self._prefill = _Prefill(lengths, select)
+        try:
+            for layer in range(self.num_layers):
+                if self.windows[layer] is not None or self._k[layer] is None:
+                    continue
+                if self._len[layer] != lengths or self._valid[layer] is not None:
+                    raise RuntimeError(f"compress_prompt(): layer {layer} does not hold its rows' whole prompts")
+                keys = self._k[layer][: len(lengths), :, : max(lengths)]
+                values = self._v[layer][: len(lengths), :, : max(lengths)]
+                self._k[layer] = self._v[layer] = None
+                self._store_prompt(layer, keys, values)
+                del keys, values
+        finally:
+            self._prefill = None
+
     def load_prefixes(self, prefixes: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor], int] | None]
                       ) -> None:
         """Start an empty cache with one row per item: ``(keys, values, n)`` gives the row the

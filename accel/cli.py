@@ -210,6 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefix-cache-mb", type=float, default=None, help="MiB of recent prompts' KV entries kept so "
                    "that a prompt starting like an earlier one is prefilled only past the shared tokens "
                    "(float32; default 256, 0: off)")
+    s.add_argument("--prefill-chunk", type=int, default=None, metavar="N", help="prefill prompts N tokens per "
+                   "forward, so activation memory follows N, not the prompt (default: one forward)")
     s.add_argument("--dtype", type=dtype_arg, default="float32")
     s.add_argument("--quantize", type=quantize_arg, default=None, help=_QUANTIZE_HELP)
     s.add_argument("--compile", choices=("auto", "on", "off"), default="off", help=_COMPILE_HELP + "; the server "

@@ -31,7 +31,7 @@ from .cache import SharedCache
 from .drafting import draft_rows, drafter_feedback, start_rows
 from .serving.prefix import PrefixStore, common_prefix, shared_prefix
 from .calibration.cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, sharing_pays
-from .steps import Warp, accept, commit, prefill, prefill_rest, verify_logits
+from .steps import PrefillSteps, Warp, accept, commit, exhaust, prefill_rest_steps, prefill_steps, verify_logits
 from .strategy import DraftContext, Plan, plan_strategies
 from .tree import DraftTree
 
@@ -270,11 +270,15 @@ class Batch:
     prefixes: where admitted prompts' entries are kept and looked up, so that a prompt that
         starts like an earlier one is prefilled only past the shared part (see
         :mod:`accel.serving.prefix`; the Engine keeps one); None: every prompt is prefilled whole.
+    prefill_chunk: prompt tokens per prefill forward (None: one forward per admission), see
+        :func:`accel.steps.prefill`.
     """
 
     def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0,
-                 costs: CostTable | None = None, prefixes: PrefixStore | None = None):
+                 costs: CostTable | None = None, prefixes: PrefixStore | None = None,
+                 prefill_chunk: int | None = None):
         self.model = model
+        self.prefill_chunk = prefill_chunk
         self.prefixes = prefixes
         self.costs = costs
         self.geo = adapter.geometry(model)
@@ -313,11 +317,18 @@ class Batch:
         prefixes runs that way (one forward), the others (prompt compression) in a plain
         prefill of their own.
         """
+        exhaust(self.admitting(rows))
+
+    def admitting(self, rows: list[Row]) -> PrefillSteps:
+        """:meth:`admit` as a generator that yields between prefill forwards (with
+        ``prefill_chunk``, after every chunk), so that the caller may :meth:`step` the rows
+        already in the batch in between: the rows being admitted join only at the end (their
+        prefill fills caches of their own). Only one admission may be under way at a time."""
         if not rows:
             return
         t0 = time.perf_counter()
         reusable = [self._reuses(r) for r in rows]
-        self._share_within([r for r, ok in zip(rows, reusable) if ok])
+        yield from self._share_within([r for r, ok in zip(rows, reusable) if ok])
         matches = [self.prefixes.match(r.prompt) if ok else None for r, ok in zip(rows, reusable)]
         if not any(matches):
             reusable = [False] * len(rows)
@@ -330,8 +341,9 @@ class Batch:
             fresh = SharedCache(self.geo.num_layers, self.windows)
             captured: dict[int, torch.Tensor] = {}
             selected: dict[tuple[int, int], torch.Tensor] = {}
-            hidden = prefill(self.model, fresh, [r.prompt for r in whole], [r.plan.compressor for r in whole],
-                             captured, selected)
+            hidden = yield from prefill_steps(self.model, fresh, [r.prompt for r in whole],
+                                              [r.plan.compressor for r in whole], captured, selected,
+                                              chunk=self.prefill_chunk)
             for b, r in enumerate(whole):
                 c = r.plan.compressor
                 if c is not None and c.decode_limit() is not None and c.decode_window():
@@ -342,7 +354,10 @@ class Batch:
         if rest:
             fresh = SharedCache(self.geo.num_layers, self.windows)
             fresh.load_prefixes([(m.keys, m.values, m.length) if m is not None else None for _, m in rest])
-            hidden = prefill_rest(self.model, fresh, [r.prompt for r, _ in rest], self.geo.dtype, self.groups)
+            if whole:
+                yield
+            hidden = yield from prefill_rest_steps(self.model, fresh, [r.prompt for r, _ in rest], self.geo.dtype,
+                                                   self.groups, chunk=self.prefill_chunk)
             for r, m in rest:
                 r.stats.cached_prompt_tokens = m.length if m is not None else 0
             parts.append(([r for r, _ in rest], fresh, hidden))
@@ -376,7 +391,7 @@ class Batch:
             row.upkeep = maintenance.start(row.plan.compressor, row.plan.quantizer, self.cache, first + i,
                                            row.tokens, latest.get(id(row)), kept.get(id(row)))
 
-    def _share_within(self, rows: list[Row]) -> None:
+    def _share_within(self, rows: list[Row]) -> PrefillSteps:
         """When admitted prompts share a prefix the store does not hold (a burst of requests
         about one new document) and the cost table says a pass of its own pays
         (:func:`~accel.calibration.cost_model.sharing_pays`), prefill it once, alone, and store it, so that
@@ -395,8 +410,9 @@ class Batch:
         if not sharing_pays(self.costs, len(sharing), length, max(int(p.numel()) for p in sharing)):
             return
         fresh = SharedCache(self.geo.num_layers, self.windows)
-        prefill(self.model, fresh, [part])
+        yield from prefill_steps(self.model, fresh, [part], chunk=self.prefill_chunk)
         self.prefixes.add(part, fresh, 0)
+        yield
 
     def _reuses(self, row: Row) -> bool:
         """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.serving.prefix`)."""
@@ -521,12 +537,12 @@ class Batch:
 # --------------------------------------------------------------------------- the loop
 
 
-def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT
-                ) -> Iterator[list[tuple[Row, list[int]]]]:
+def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT,
+                prefill_chunk: int | None = None) -> Iterator[list[tuple[Row, list[int]]]]:
     """Decode ``rows`` together until every one is done, yielding after the prefill and after
     every step the (row, newly emitted tokens) pairs of the rows that took part (the first
     yield has every row: one with ``max_new_tokens=0`` is done there, with no tokens)."""
-    batch = Batch(model, max_draft=max_draft)
+    batch = Batch(model, max_draft=max_draft, prefill_chunk=prefill_chunk)
     live = [r for r in rows if r.max_new_tokens > 0]
     for r in rows:
         if r.max_new_tokens <= 0:
@@ -549,12 +565,13 @@ def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAF
             yield pairs
 
 
-def run_batch(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT) -> Stats:
+def run_batch(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT,
+              prefill_chunk: int | None = None) -> Stats:
     """Decode ``rows`` together until every one is done. Returns the call's aggregate Stats
     (wall-clock prefill and decode seconds, counts summed over rows)."""
     total = Stats()
     t0 = time.perf_counter()
-    steps = batch_steps(model, rows, max_draft)
+    steps = batch_steps(model, rows, max_draft, prefill_chunk)
     next(steps)
     total.prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()

@@ -7,7 +7,7 @@ batch of requests; :mod:`accel.kernels.invariance` runs them to probe this machi
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Sequence
+from typing import Callable, Generator, Sequence
 
 import torch
 
@@ -19,7 +19,20 @@ from .calibration.cost_model import round_up
 from .strategy import PromptCompressor, Strategy
 from .tree import DraftTree
 
-__all__ = ["Warp", "prefill", "prefill_rest", "forward_tokens", "verify", "verify_logits", "accept", "commit"]
+__all__ = ["Warp", "prefill", "prefill_steps", "prefill_rest", "prefill_rest_steps", "exhaust", "forward_tokens",
+           "verify", "verify_logits", "accept", "commit"]
+
+#: A prefill run forward by forward: yields between forwards, returns the hidden states [B, H].
+PrefillSteps = Generator[None, None, torch.Tensor]
+
+
+def exhaust(steps: PrefillSteps) -> torch.Tensor:
+    """Run a :data:`PrefillSteps` generator to its end; returns what it returns."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as stop:
+            return stop.value
 
 #: A sampling transform of float32 logits [N, V] (temperature, top-k, top-p); None is greedy.
 Warp = Callable[[torch.Tensor], torch.Tensor]
@@ -28,8 +41,16 @@ Warp = Callable[[torch.Tensor], torch.Tensor]
 def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
             compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
             queries: dict[int, torch.Tensor] | None = None,
-            kept: dict[tuple[int, int], torch.Tensor] | None = None) -> torch.Tensor:
-    """Run B prompts through the model in one forward, filling (and compressing) an empty cache.
+            kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None) -> torch.Tensor:
+    """:func:`prefill_steps` run to its end (see there)."""
+    return exhaust(prefill_steps(model, cache, prompts, compressors, queries, kept, chunk))
+
+
+def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
+                  compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
+                  queries: dict[int, torch.Tensor] | None = None,
+                  kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None) -> PrefillSteps:
+    """Run B prompts through the model, filling (and compressing) an empty cache.
 
     prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
         internally; padding is never stored and never scored).
@@ -39,7 +60,16 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
         observation window), for eviction during decoding to start from.
     kept: a dict that receives, per (row, layer) a compressor selected in, the prompt
         positions kept per KV head [H_kv, K] (padding repeats a head's last).
-    Returns the final hidden state at each row's last prompt position, [B, H].
+    chunk: None (or the longest prompt or more): one forward, each layer compressed as it
+        stores its prompt. Otherwise the prompts run ``chunk`` tokens at a time, each chunk
+        on top of the entries of the chunks before it (activations follow the chunk, not the
+        prompt), stored whole; each row's observation-window queries are taken from the
+        chunks they fall in, and once the last chunk is in, every layer is offered to its
+        compressor with those queries and the whole prompt's keys: the same scores, the same
+        selection, the same cache as one forward (within float tolerance).
+    A generator: it yields after each chunk but the last (so that a caller may run other
+    forwards in between, :class:`accel.serving.Engine`), and returns the final hidden state at
+    each row's last prompt position, [B, H] (:func:`prefill` runs it through).
     """
     rows = _prompt_rows(prompts)
     if isinstance(compressors, PromptCompressor) or compressors is None:
@@ -47,13 +77,6 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
     lengths = [int(r.numel()) for r in rows]
     device = rows[0].device
     n = max(lengths)
-    ids = torch.zeros((len(rows), n), dtype=torch.long, device=device)
-    for b, r in enumerate(rows):
-        ids[b, : r.numel()] = r
-    positions = torch.arange(n, device=device).unsqueeze(0).expand(len(rows), n)
-    mask = None
-    if min(lengths) != n:
-        mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
     windows = [c.observation_window(length) if c is not None else 0 for c, length in zip(compressors, lengths)]
     window = max(windows)
     queries = {} if queries is None else queries
@@ -71,13 +94,89 @@ def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Te
             kept[(row, layer)] = sel.indices[0]
         return sel.indices, sel.valid
 
-    cache.begin_prefill(lengths, select if any(c is not None for c in compressors) else None)
+    compress = select if any(c is not None for c in compressors) else None
+    if chunk is not None and chunk < n:
+        hidden = yield from _prefill_chunks(model, cache, rows, chunk, window, queries)
+        if compress is not None:
+            cache.compress_prompt(compress)
+        return hidden
+    ids = torch.zeros((len(rows), n), dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        ids[b, : r.numel()] = r
+    positions = torch.arange(n, device=device).unsqueeze(0).expand(len(rows), n)
+    mask = None
+    if min(lengths) != n:
+        mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
+    cache.begin_prefill(lengths, compress)
     ends = torch.tensor(lengths, device=device) if mask is not None else None
     with adapter.capture_window_queries(model, cache, window, queries, ends):
         hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
     cache.end_prefill()
     last = torch.tensor(lengths, device=device) - 1
     return hidden[torch.arange(len(rows), device=device), last]
+
+
+def _prefill_chunks(model, cache: SharedCache, rows: list[torch.Tensor], chunk: int, window: int,
+                    queries: dict[int, torch.Tensor]) -> PrefillSteps:
+    """:func:`prefill` of ``rows`` ``chunk`` tokens at a time, uncompressed. The first chunk is
+    a prefill of every row's first ``chunk`` tokens; each later one a forward of every row's
+    next tokens on top of the cache (right-padded; a row already done feeds one padding
+    token; padding sees only itself and is dropped), committed. ``queries`` receives, per
+    layer, what one forward's capture would hold: [B, H_q, window, D], row b's slot j the
+    query at position ``max(n_b - window + j, 0)``, taken in the chunk holding it.
+    Yields after each chunk but the last; returns the final hidden state at each row's last
+    prompt position, [B, H]."""
+    lengths = [int(r.numel()) for r in rows]
+    bsz, n, device = len(rows), max(lengths), rows[0].device
+    dtype, groups = adapter.geometry(model).dtype, adapter.query_groups(model)
+    ends = torch.tensor(lengths, device=device)
+    slots = (ends.unsqueeze(1) - window + torch.arange(window, device=device)).clamp(min=0)  # [B, w] positions
+    last = [None] * bsz
+    for start in range(0, n, chunk):
+        counts = [max(0, min(chunk, m - start)) for m in lengths]  # each row's tokens in this chunk
+        t = max(counts)
+        ids = torch.zeros((bsz, t), dtype=torch.long, device=device)
+        for b, (r, m) in enumerate(zip(rows, counts)):
+            ids[b, :m] = r[start : start + m]
+        taken = (slots >= start) & (slots < start + torch.tensor(counts, device=device).unsqueeze(1))  # [B, w]
+        span = taken.any(dim=0).nonzero().flatten().tolist()
+        sink: dict[int, torch.Tensor] = {}
+        tap = contextlib.nullcontext()
+        if span:
+            lo, hi = span[0], span[-1] + 1
+            index = (slots[:, lo:hi] - start).clamp(0, t - 1)  # [B, hi - lo] positions within the chunk
+            tap = adapter.capture_queries_at(model, cache, index, sink)
+        with tap:
+            if not start:
+                cache.begin_prefill(counts)
+                mask = None
+                if min(counts) != t:
+                    mask = (torch.arange(t, device=device).unsqueeze(0) < torch.tensor(counts, device=device)
+                            .unsqueeze(1)).long()
+                positions = torch.arange(t, device=device).unsqueeze(0).expand(bsz, t)
+                hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
+                cache.end_prefill()
+                cache.reserve(n)
+            else:
+                steps = torch.arange(t, device=device)
+                positions = torch.empty((bsz, t), dtype=torch.long, device=device)
+                visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
+                causal = torch.ones((t, t), dtype=torch.bool, device=device).tril()
+                for b, m in enumerate(counts):
+                    positions[b] = min(start, lengths[b]) + steps.clamp(max=max(m - 1, 0))
+                    visible[b, :m, :m] = causal[:m, :m]
+                hidden = forward_tokens(model, cache, ids, positions, visible if t > 1 else None, dtype, groups)
+                cache.commit([list(range(m)) for m in counts])
+        for layer, q in sink.items():  # [B, H_q, hi - lo, D]: keep each row's slots that fell in this chunk
+            held = queries.setdefault(layer, q.new_zeros((bsz, q.shape[1], window, q.shape[3])))
+            inside = taken[:, lo:hi][:, None, :, None]
+            held[:, :, lo:hi] = torch.where(inside, q, held[:, :, lo:hi])
+        for b, m in enumerate(counts):
+            if m and start + m == lengths[b]:
+                last[b] = hidden[b, m - 1].clone()
+        if start + chunk < n:
+            yield
+    return torch.stack(last)
 
 
 def _prompt_rows(prompts) -> list[torch.Tensor]:
@@ -145,32 +244,51 @@ def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torc
 
 
 def prefill_rest(model, cache: SharedCache, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
-                 groups: int | None = None) -> torch.Tensor:
+                 groups: int | None = None, chunk: int | None = None) -> torch.Tensor:
+    """:func:`prefill_rest_steps` run to its end (see there)."""
+    return exhaust(prefill_rest_steps(model, cache, prompts, dtype, groups, chunk))
+
+
+def prefill_rest_steps(model, cache: SharedCache, prompts: Sequence[torch.Tensor], dtype: torch.dtype,
+                       groups: int | None = None, chunk: int | None = None) -> PrefillSteps:
     """Prefill each row's prompt past the entries its row already holds (a reused prefix,
     :meth:`SharedCache.load_prefixes`): one forward of every row's remaining tokens
-    (right-padded; padding sees only itself and is dropped), committed.
+    (right-padded; padding sees only itself and is dropped), committed; with ``chunk``, one
+    forward per ``chunk`` of them (a row already done feeds one padding token).
 
     prompts: per row a LongTensor [n_b], longer than the row's logical length.
-    Returns the final hidden state at each row's last prompt position, [B, H].
+    A generator, as :func:`prefill_steps`: yields after each chunk but the last; returns the
+    final hidden state at each row's last prompt position, [B, H].
     """
     starts = list(cache.logical_lengths)
     rest = [int(p.numel()) - s for p, s in zip(prompts, starts)]
     if len(prompts) != cache.batch_size or min(rest) < 1:
         raise ValueError(f"prefill_rest() needs one prompt per row, each longer than the row ({starts})")
     device = prompts[0].device
-    bsz, t = len(prompts), max(rest)
-    ids = torch.zeros((bsz, t), dtype=torch.long, device=device)
-    positions = torch.empty((bsz, t), dtype=torch.long, device=device)
-    steps = torch.arange(t, device=device)
-    visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
-    causal = torch.ones((t, t), dtype=torch.bool, device=device).tril()
-    for b, (prompt, start, m) in enumerate(zip(prompts, starts, rest)):
-        ids[b, :m] = prompt[start:]
-        positions[b] = start + steps.clamp(max=m - 1)
-        visible[b, :m, :m] = causal[:m, :m]
-    hidden = forward_tokens(model, cache, ids, positions, visible if t > 1 else None, dtype, groups)
-    cache.commit([list(range(m)) for m in rest])
-    return hidden[torch.arange(bsz, device=device), torch.tensor(rest, device=device) - 1]
+    bsz = len(prompts)
+    step = max(rest) if chunk is None else chunk
+    last: list[torch.Tensor | None] = [None] * bsz
+    for done in range(0, max(rest), step):
+        counts = [max(0, min(step, m - done)) for m in rest]
+        t = max(counts)
+        ids = torch.zeros((bsz, t), dtype=torch.long, device=device)
+        positions = torch.empty((bsz, t), dtype=torch.long, device=device)
+        steps = torch.arange(t, device=device)
+        visible = torch.eye(t, dtype=torch.bool, device=device).repeat(bsz, 1, 1)  # padding sees itself
+        causal = torch.ones((t, t), dtype=torch.bool, device=device).tril()
+        for b, (prompt, start, m) in enumerate(zip(prompts, starts, counts)):
+            at = start + min(done, rest[b])
+            ids[b, :m] = prompt[at : at + m]
+            positions[b] = at + steps.clamp(max=max(m - 1, 0))
+            visible[b, :m, :m] = causal[:m, :m]
+        hidden = forward_tokens(model, cache, ids, positions, visible if t > 1 else None, dtype, groups)
+        cache.commit([list(range(m)) for m in counts])
+        for b, m in enumerate(counts):
+            if m and done + m == rest[b]:
+                last[b] = hidden[b, m - 1].clone()
+        if done + step < max(rest):
+            yield
+    return torch.stack(last)
 
 
 def verify_logits(model, cache: SharedCache, trees: Sequence[DraftTree], dtype: torch.dtype,

@@ -244,9 +244,9 @@ def test_failed_runs_are_recorded_and_unavailable_baselines_reported(tmp_path, m
 
     real = configurations._accel_run
 
-    def flaky(model, strategies, eos, max_draft, sampling):
+    def flaky(model, strategies, eos, max_draft, sampling, *rest):
         if not strategies:
-            return real(model, strategies, eos, max_draft, sampling)
+            return real(model, strategies, eos, max_draft, sampling, *rest)
 
         def boom(item, max_new_tokens):
             raise RuntimeError("boom")

@@ -157,7 +157,8 @@ def hf_static_batches(model: Any, eos: list[int], pad: int) -> Callable[[list[Ta
 
 
 def accel_batched(model: Any, strategies: list[Strategy], eos: list[int], pad: int,
-                  max_draft: int | None) -> Callable[[list[TaskItem], int], BatchMeasurement]:
+                  max_draft: int | None, prefill_chunk: int | None = None
+                  ) -> Callable[[list[TaskItem], int], BatchMeasurement]:
     """``accel.generate`` on the left-padded batch with its attention mask."""
     import accel
 
@@ -168,7 +169,7 @@ def accel_batched(model: Any, strategies: list[Strategy], eos: list[int], pad: i
         sync_device(geo.device)
         t0 = time.perf_counter()
         result = accel.generate(model, ids, attention_mask=mask, strategies=strategies, max_new_tokens=max_new_tokens,
-                                eos_token_id=eos, max_draft_tokens=max_draft)
+                                eos_token_id=eos, max_draft_tokens=max_draft, prefill_chunk=prefill_chunk)
         sync_device(geo.device)
         e2e = time.perf_counter() - t0
         n = ids.shape[1]  # new tokens start after the longest prompt
@@ -186,8 +187,8 @@ def accel_batched(model: Any, strategies: list[Strategy], eos: list[int], pad: i
     return run
 
 
-def accel_arrivals(model: Any, strategies: list[Strategy], eos: list[int],
-                   max_draft: int | None) -> Callable[[list[TaskItem], Arrivals, int], BatchMeasurement]:
+def accel_arrivals(model: Any, strategies: list[Strategy], eos: list[int], max_draft: int | None,
+                   prefill_chunk: int | None = None) -> Callable[[list[TaskItem], Arrivals, int], BatchMeasurement]:
     """``accel.Engine``: a client thread submits at each arrival; a consumer thread per
     request timestamps its first tokens and its end, as a service's caller would see them."""
     import accel
@@ -213,7 +214,7 @@ def accel_arrivals(model: Any, strategies: list[Strategy], eos: list[int],
                 errors[k] = error_line(err)
 
         with accel.Engine(model, strategies=strategies, max_batch=max_batch, eos_token_id=eos,
-                          max_draft_tokens=max_draft) as engine:
+                          max_draft_tokens=max_draft, prefill_chunk=prefill_chunk) as engine:
             def submit(k: int) -> None:
                 try:
                     handle = engine.submit(items[k].input_ids[0], max_new_tokens=max_new_tokens)

@@ -192,7 +192,8 @@ def _hf_assisted(model: Any, eos: list[int], pad: int, spec: HFAssisted,
 
 
 def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft: int | None,
-               sampling: Sampling = Sampling()) -> Callable[[TaskItem, int], Measurement]:
+               sampling: Sampling = Sampling(), prefill_chunk: int | None = None
+               ) -> Callable[[TaskItem, int], Measurement]:
     import accel
 
     geo = adapter.geometry(model)
@@ -204,7 +205,8 @@ def _accel_run(model: Any, strategies: list[Strategy], eos: list[int], max_draft
         sampled = {} if sampling.greedy else {"temperature": sampling.temperature, "top_p": sampling.top_p,
                                                "seed": sampling.item_seed(item)}
         result = accel.generate(model, ids, strategies=strategies, max_new_tokens=max_new_tokens,
-                                eos_token_id=eos, max_draft_tokens=max_draft, **sampled)
+                                eos_token_id=eos, max_draft_tokens=max_draft, prefill_chunk=prefill_chunk,
+                                **sampled)
         sync_device(geo.device)
         e2e = time.perf_counter() - t0
         st = result.stats
@@ -337,9 +339,9 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
         strategies = build_strategies(specs)
         configs.append(Configuration(
             name, "run", _spec_text(strategies), any(s.drafts for s in strategies),
-            _accel_run(model, strategies, eos, max_draft, sampling),
-            batch=bt.accel_batched(model, strategies, eos, pad, max_draft),
-            serve=bt.accel_arrivals(model, strategies, eos, max_draft)))
+            _accel_run(model, strategies, eos, max_draft, sampling, gen.prefill_chunk),
+            batch=bt.accel_batched(model, strategies, eos, pad, max_draft, gen.prefill_chunk),
+            serve=bt.accel_arrivals(model, strategies, eos, max_draft, gen.prefill_chunk)))
     return configs
 
 

@@ -240,6 +240,9 @@ class Generation(_Model):
     max_draft_tokens: int | None = Field(None, gt=0)
     """accel runs: the most draft nodes a row verifies in one pass (None: no limit but the
     engine's; the measured cost table sizes each step, ``accel.engine.draft_budgets``)."""
+    prefill_chunk: int | None = Field(None, gt=0)
+    """accel runs: prompt tokens per prefill forward (None: the whole prompt in one), so
+    activation memory follows the chunk; the output is that of one forward (``accel.steps.prefill``)."""
     system: str | None = None
     """Optional system message for the chat template (default: the template's own)."""
     temperature: float = Field(0.0, ge=0)

@@ -49,7 +49,8 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
            f"sampled at temperature {gen['temperature']}" + (f", top_p {gen['top_p']}" if gen.get("top_p") else "")
            + " (seeded per item; outputs not compared token by token)")
         + f", max_new_tokens {gen['max_new_tokens']}, max_draft_tokens "
-        f"{gen['max_draft_tokens']}; {exp['repeats']} repeat(s); seed {exp['seed']}; warm-up "
+        f"{gen['max_draft_tokens']}" + (f", prefill_chunk {gen['prefill_chunk']}" if gen.get("prefill_chunk") else "")
+        + f"; {exp['repeats']} repeat(s); seed {exp['seed']}; warm-up "
         f"{exp['warmup_tokens']} tokens per configuration; configurations interleaved (rotated order per "
         + (f"group of B items; batch sizes {', '.join(map(str, exp['batch_sizes']))})" if batched else "item)"),
         (f"- **Reference:** `{reference}`. Speed-ups are ratios to it measured in the same run on the same "

@@ -62,6 +62,8 @@ def run_cli(args: Any) -> int:
     prefix_mb = DEFAULT_PREFIX_CACHE_MB if args.prefix_cache_mb is None else args.prefix_cache_mb
     if not 0 <= prefix_mb < float("inf"):
         raise ValueError(f"--prefix-cache-mb must be >= 0, got {prefix_mb}")
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be >= 1, got {args.prefill_chunk}")
     compile_mode = getattr(args, "compile", "off")
     model, tokenizer = load_model(args.model, dtype=args.dtype, quantize=getattr(args, "quantize", None),
                                   compile=compile_mode)
@@ -74,7 +76,7 @@ def run_cli(args: Any) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication", args.host)
     with accel.Engine(model, strategies=strategies, max_batch=args.max_batch, tokenizer=tokenizer,
-                      prefix_cache_mb=prefix_mb) as engine:
+                      prefix_cache_mb=prefix_mb, prefill_chunk=args.prefill_chunk) as engine:
         if compile_mode != "off":
             warm_up(engine, tokenizer)
         app = create_app(engine, tokenizer, model_id=name, context_length=context,

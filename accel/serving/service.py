@@ -3,6 +3,8 @@
 One loop thread owns the model and a :class:`~accel.engine.Batch`. Between steps it admits
 waiting requests (one batched prefill for all of them, then they join the running batch)
 and retires finished or cancelled ones; every step is one verify forward for all live rows.
+With ``prefill_chunk`` an admission that finds requests running is spread over loop turns,
+one prefill chunk per turn, the running rows stepping once between chunks.
 Callers on any thread get a :class:`RequestHandle` whose :meth:`~RequestHandle.stream`
 yields each step's newly accepted tokens.
 
@@ -26,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 
 from .. import adapter
-from ..api import _as_rows, check_sampling, make_rows
+from ..api import _as_rows, check_prefill_chunk, check_sampling, make_rows
 from ..engine import DEFAULT_MAX_DRAFT, Batch, Plan, Row, Stats, plan_strategies
 from ..kernels.compiled import enable as enable_compiled
 from .prefix import PrefixStore
@@ -68,6 +70,15 @@ class RequestResult:
 
 
 _END = object()
+
+
+@dataclass
+class _Admission:
+    """Requests being prefilled chunk by chunk between the running batch's steps."""
+
+    handles: list["RequestHandle"]
+    generators: list[torch.Tensor | None]  # their samplers' states before the prefill (to retry)
+    steps: Any  # Batch.admitting(...): one prefill forward per next()
 
 
 @functools.cache
@@ -212,13 +223,18 @@ class Engine:
         compile: ``"on"``, ``"auto"`` or ``"off"``: decode and verify steps as one compiled
             graph (:func:`accel.kernels.compiled.enable`); None (default): as the model was
             loaded (``load_model(..., compile=)``).
+        prefill_chunk: prompt tokens per prefill forward (None: each admission's prompts in one
+            forward), see :func:`accel.steps.prefill`. Requests arriving while others run are
+            then prefilled one chunk per loop turn, each turn also stepping the running
+            requests once: a long prompt no longer stalls the streams for its whole prefill.
     """
 
     def __init__(self, model: Any, strategies: Sequence[Strategy | str | dict] | None = (), *, max_batch: int = 8,
                  tokenizer: Any = None, max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
                  eos_token_id: int | list[int] | None = None, prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
-                 compile: str | None = None):
+                 compile: str | None = None, prefill_chunk: int | None = None):
         adapter.check_causal_lm(model)
+        check_prefill_chunk(prefill_chunk)
         if compile is not None:  # else as the model was loaded
             enable_compiled(model, compile)
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
@@ -233,9 +249,11 @@ class Engine:
         self.plan = self._plan(strategies)
         self.eos = adapter.default_eos(model, tokenizer) if eos_token_id is None else (
             [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-        self._batch = Batch(model, max_draft=max_draft_tokens, row_capacity=max_batch, prefixes=self.prefixes)
+        self._batch = Batch(model, max_draft=max_draft_tokens, row_capacity=max_batch, prefixes=self.prefixes,
+                            prefill_chunk=prefill_chunk)
         self._waiting: "queue.Queue[RequestHandle]" = queue.Queue()
         self._live: list[RequestHandle] = []
+        self._admission: _Admission | None = None  # a chunked admission under way (prefill_chunk)
         self._ids = itertools.count()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -332,16 +350,17 @@ class Engine:
                     self._serve()
                 except Exception as err:  # a failed step fails the requests in it, not the service
                     message = f"{type(err).__name__}: {err}"
-                    for h in list(self._live):
+                    for h in list(self._live) + self._admitting():
                         self._finish(h, "error", error=message)
                     with self._lock:
                         self._live.clear()
                     if self.prefixes is not None:  # entries of the failed step's prompts are not trusted
                         self.prefixes.clear()
                     self._batch = Batch(self.model, max_draft=self._batch.max_draft, row_capacity=self.max_batch,
-                                        costs=self._batch.costs, prefixes=self.prefixes)
+                                        costs=self._batch.costs, prefixes=self.prefixes,
+                                        prefill_chunk=self._batch.prefill_chunk)
         finally:
-            for h in self._live + self._drain():
+            for h in self._live + self._admitting() + self._drain():
                 self._finish(h, "cancelled")
 
     def _serve(self) -> None:
@@ -375,7 +394,21 @@ class Engine:
             except queue.Empty:
                 return out
 
+    def _admitting(self) -> list[RequestHandle]:
+        """The requests of the admission under way (none after this call)."""
+        admission, self._admission = self._admission, None
+        return admission.handles if admission is not None else []
+
     def _admit(self) -> bool:
+        """Admit waiting requests, or advance the admission under way by one prefill forward;
+        returns whether it did any work.
+
+        With ``prefill_chunk`` and requests running, new requests are prefilled one chunk per
+        call, and the loop steps the running batch between calls (:meth:`Batch.admitting`):
+        running streams keep stepping while a long prompt prefills. Otherwise an admission
+        runs whole in one call."""
+        if self._admission is not None:
+            return self._advance()
         room = self.max_batch - len(self._live)
         new: list[RequestHandle] = []
         while room > len(new):
@@ -394,11 +427,42 @@ class Engine:
             new.append(h)
         if not new:
             return False
-        new = self._prefill(new)
+        if self._batch.prefill_chunk is not None and self._live:
+            generators = [h.row.generator.get_state() if h.row.generator is not None else None for h in new]
+            self._admission = _Admission(new, generators, self._batch.admitting([h.row for h in new]))
+            return self._advance()
+        self._join(self._prefill(new))
+        return True
+
+    def _advance(self) -> bool:
+        """One prefill forward of the admission under way; at its end the requests join."""
+        admission = self._admission
+        t0 = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                next(admission.steps)
+            self._count("prefill_seconds", time.perf_counter() - t0)
+            return True
+        except StopIteration:
+            self._admission = None
+            self._count("prefill_seconds", time.perf_counter() - t0)
+            self._count("prefills", 1)
+            self._join(admission.handles)
+        except Exception as err:  # as _prefill: the running batch is untouched; each request is tried alone
+            self._admission = None
+            for h, state in zip(admission.handles, admission.generators):
+                _unadmitted(h.row, state)
+            if len(admission.handles) > 1:
+                self._join([h for one in admission.handles for h in self._prefill([one])])
+            else:
+                self._finish(admission.handles[0], "error", error=f"{type(err).__name__}: {err}")
+        return True
+
+    def _join(self, new: list[RequestHandle]) -> None:
+        """Requests whose prefill ended join the running ones; their first tokens go out."""
         with self._lock:
             self._live.extend(new)
         self._deliver([(h.row, list(h.row.generated)) for h in new], count_step=False)
-        return True
 
     def _prefill(self, new: list[RequestHandle]) -> list[RequestHandle]:
         """Prefill ``new`` together into the batch; returns those admitted. If that raises, the
