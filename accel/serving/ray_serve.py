@@ -26,19 +26,19 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
-import socket
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+from ..cluster import connect, import_ray
+
+import_ray("accel serve --ray")  # without ray: an ImportError naming the extra
 try:
-    import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
-except ImportError as _err:  # exercised by tests/test_ray.py in a subprocess
+except ImportError as _err:  # ray without its serve part
     raise ImportError(f"accel serve --ray needs the 'ray' extra: pip install 'accel[ray]' ({_err})") from None
 
 from fastapi import FastAPI, Request
@@ -47,7 +47,7 @@ from fastapi.responses import Response, StreamingResponse
 from .app import DEFAULT_MAX_TOKENS
 from .protocol import ApiError
 
-__all__ = ["ReplicaSpec", "PrefixAffinityRouter", "ModelReplica", "Ingress", "build_app", "connect",
+__all__ = ["ReplicaSpec", "PrefixAffinityRouter", "ModelReplica", "Ingress", "build_app",
            "prefix_blocks", "prompt_text", "run_cli", "REPLICA_HEADER", "BLOCK_CHARS"]
 
 log = logging.getLogger(__name__)
@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 REPLICA_HEADER = "x-accel-replica"
 #: Characters per prefix block: prompts are matched in whole blocks.
 BLOCK_CHARS = 64
-#: Seconds a ``--address`` gets to answer before ``accel serve --ray`` gives up.
-CONNECT_TIMEOUT_S = 10.0
 APP_NAME = "accel"
 
 
@@ -206,7 +204,7 @@ class ModelReplica:
         from ..models import load_model
         from ..strategy import build_strategies
         from .app import create_app
-        from .serve import _served_name
+        from .serve import served_name
         from .service import DEFAULT_PREFIX_CACHE_MB
 
         torch.set_num_threads(max(1, int(spec.num_cpus)))
@@ -216,7 +214,7 @@ class ModelReplica:
         else:
             model, tokenizer = loaded
         context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
-        name = spec.model_name or _served_name(spec.model)
+        name = spec.model_name or served_name(spec.model)
         prefix_mb = DEFAULT_PREFIX_CACHE_MB if spec.prefix_cache_mb is None else spec.prefix_cache_mb
         self.engine = accel.Engine(model, strategies=build_strategies(list(spec.strategies)),
                                    max_batch=spec.max_batch, tokenizer=tokenizer, prefix_cache_mb=prefix_mb)
@@ -381,27 +379,6 @@ def build_app(spec: ReplicaSpec, *, replicas: int = 1, autoscale: tuple[int, int
     ingress = serve.deployment(Ingress, name="ingress", num_replicas=1, ray_actor_options={"num_cpus": 0.1},
                                max_ongoing_requests=1024)
     return ingress.bind(model.bind(spec, loaded))
-
-
-def connect(address: str | None, **init: Any) -> None:
-    """Join the Ray cluster at ``address`` (``host:port``, ``ray://host:port`` or ``auto``), or
-    start a local one when None. An address that does not answer within
-    :data:`CONNECT_TIMEOUT_S` seconds is a ``ValueError`` naming it."""
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS") or None
-    if address and address != "auto":
-        host, _, port = address.removeprefix("ray://").rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--address {address!r}: expected HOST:PORT, ray://HOST:PORT or auto")
-        try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
-        except OSError as err:
-            raise ValueError(f"cannot reach the Ray cluster at {address}: {err}") from None
-    try:
-        ray.init(address=address, **init)
-    except ConnectionError as err:
-        raise ValueError(f"cannot join the Ray cluster at {address}: {err}") from None
 
 
 def _autoscale(text: str | None) -> tuple[int, int] | None:
