@@ -144,6 +144,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     b.add_argument("--quantize", type=quantize_arg, default=None,
                    help="the experiment's quantization (as --set quantize=...): " + _QUANTIZE_HELP)
+    b.add_argument("--ray", action="store_true", help="run each point of the grid as a Ray task; rerunning an "
+                   "interrupted sweep runs only the points not yet written (docs/SCALE.md; pip install 'accel[ray]')")
+    b.add_argument("--address", default=None, help="with --ray: the cluster to join (HOST:PORT, ray://HOST:PORT or "
+                   "auto; default: $RAY_ADDRESS, else a local cluster)")
     b.set_defaults(func=_bench)
 
     t = sub.add_parser("train-heads", help="train Medusa draft heads by self-distillation",

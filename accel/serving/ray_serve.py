@@ -26,6 +26,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import random
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -150,7 +151,8 @@ class PrefixAffinityRouter(RequestRouter):
             least = min(self.load(r) for r in candidate_replicas)
             if best_match > 0 and -neg_load - least <= self.max_imbalance:
                 return [[best], [r for r in candidate_replicas if r is not best]]
-        return [candidate_replicas]  # Serve picks the least loaded one that has room
+        # Serve takes the least loaded one with room; shuffled so that ties spread out
+        return [random.sample(candidate_replicas, len(candidate_replicas))]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: ReplicaResult) -> None:
