@@ -33,7 +33,7 @@ from typing import Any
 from .experiment_file import ConfigError, load_config
 from .schema import Experiment
 
-__all__ = ["run_cli", "run_experiment", "load_config", "load_models", "ConfigError", "Experiment"]
+__all__ = ["run_cli", "run_experiment", "load_config", "ConfigError", "Experiment"]
 
 
 def run_experiment(
@@ -85,7 +85,7 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
 
     torch.manual_seed(experiment.seed)
     given = (model, tokenizer) if model is not None else None  # shipped to Ray workers as it is
-    models, tokenizer = load_models(experiment, model, tokenizer)
+    models, tokenizer = configurations.load_models(experiment, model, tokenizer)
     model = models[0][1]
     if tokenizer is None:
         raise ValueError(f"model {experiment.model!r} comes without a tokenizer; the bench tasks need one")
@@ -153,43 +153,6 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
     summary.write_summary(out / "summary.md", rows, meta, pngs)
     (out / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out
-
-
-def load_models(experiment: Experiment, model: Any, tokenizer: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """``[(precision, model)]``: one model of ``dtype`` / ``quantize``, or one per entry of
-    ``precisions``; loaded, or made from a given ``model`` (a copy per precision: cast, or
-    quantized with :func:`accel.kernels.lowbit.quantize_model`). Also the tokenizer."""
-    import copy
-
-    import torch
-
-    from ..dtypes import DTYPES
-    from ..kernels.lowbit import quantization_of, quantize_model
-
-    wanted = experiment.precisions or [experiment.precision]
-    if model is not None:
-        if not experiment.precisions:
-            if experiment.quantize is not None and quantization_of(model) is None:
-                model = quantize_model(copy.deepcopy(model), experiment.quantize)
-            return [(experiment.precision, model)], tokenizer
-        made = []
-        for p in wanted:
-            twin = copy.deepcopy(model)
-            made.append((p, twin.to(DTYPES[p]) if p in DTYPES else quantize_model(twin, p)))
-        return made, tokenizer
-    from ..models import load_model
-
-    device = torch.device(experiment.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
-    models = []
-    for p in wanted:
-        dtype, quantize = (p, None) if p in DTYPES else (experiment.dtype, p)
-        loaded, loaded_tok = load_model(experiment.model, dtype=dtype, device=device, prepack=experiment.prepack,
-                                        quantize=quantize)
-        tokenizer = tokenizer if tokenizer is not None else loaded_tok
-        models.append((p, loaded))
-    return models, tokenizer
 
 
 def _command(args: Any) -> str:

@@ -38,7 +38,7 @@ from .schema import (Arrivals, Experiment, HFAssisted, HFGenerate, HFGenerateBat
                      KVPressSnapKV)
 from .tasks import TaskItem
 
-__all__ = ["Configuration", "Sampling", "build_configurations"]
+__all__ = ["Configuration", "Sampling", "build_configurations", "load_models"]
 
 
 @dataclass
@@ -344,3 +344,38 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
 
 
 # --------------------------------------------------------------------------- the grid
+
+
+def load_models(experiment: Experiment, model: Any, tokenizer: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """``[(precision, model)]``: one model of ``dtype`` / ``quantize``, or one per entry of
+    ``precisions``; loaded, or made from a given ``model`` (a copy per precision: cast, or
+    quantized with :func:`accel.kernels.lowbit.quantize_model`). Also the tokenizer."""
+    import copy
+
+    from ..dtypes import DTYPES
+    from ..kernels.lowbit import quantization_of, quantize_model
+
+    wanted = experiment.precisions or [experiment.precision]
+    if model is not None:
+        if not experiment.precisions:
+            if experiment.quantize is not None and quantization_of(model) is None:
+                model = quantize_model(copy.deepcopy(model), experiment.quantize)
+            return [(experiment.precision, model)], tokenizer
+        made = []
+        for p in wanted:
+            twin = copy.deepcopy(model)
+            made.append((p, twin.to(DTYPES[p]) if p in DTYPES else quantize_model(twin, p)))
+        return made, tokenizer
+    from ..models import load_model
+
+    device = torch.device(experiment.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
+    models = []
+    for p in wanted:
+        dtype, quantize = (p, None) if p in DTYPES else (experiment.dtype, p)
+        loaded, loaded_tok = load_model(experiment.model, dtype=dtype, device=device, prepack=experiment.prepack,
+                                        quantize=quantize)
+        tokenizer = tokenizer if tokenizer is not None else loaded_tok
+        models.append((p, loaded))
+    return models, tokenizer

@@ -45,8 +45,7 @@ def _state(experiment: Experiment, loaded: tuple[Any, Any] | None) -> dict[str, 
     import torch
 
     from .. import adapter
-    from . import load_models
-    from .configurations import build_precision_configurations
+    from .configurations import build_precision_configurations, load_models
     from .runner import warm_up
     from .tasks import build_items
 
