@@ -158,6 +158,24 @@ def test_client_disconnect_cancels_the_request_on_its_replica(url, http):
         time.sleep(0.2)
 
 
+def test_a_killed_replica_ends_its_stream_with_an_error_and_the_other_serves(url, http):
+    """Last of the serve tests: it kills a replica (Serve starts a new one later)."""
+    body = {"model": MODEL_ID, "prompt": LONG_RUNNER, "max_tokens": CONTEXT - 64, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=url, timeout=60.0) as other:
+        with other.stream("POST", "/v1/completions", json=body) as r:
+            replica = r.headers[REPLICA_HEADER]
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            ray.kill(ray.get_actor(f"SERVE_REPLICA::accel#model#{replica}", namespace="serve"), no_restart=True)
+            rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    error = json.loads(rest[-2][len("data: "):])["error"]
+    assert error["code"] == "replica_unavailable" and "replica" in error["message"]
+    for _ in range(3):  # the survivor answers, even a request pinned to the dead replica
+        r = http.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3}, headers={REPLICA_HEADER: replica})
+        assert r.status_code == 200 and r.headers[REPLICA_HEADER] != replica
+
+
 # ------------------------------------------------------------------------------ routing, offline
 
 

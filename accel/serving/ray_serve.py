@@ -115,7 +115,8 @@ class PrefixAffinityRouter(RequestRouter):
     """Ray Serve request router of :class:`ModelReplica` handles (see the module docstring).
 
     Reads two keyword arguments of the handle call: ``prefix`` (:func:`prefix_blocks` of the
-    prompt) and ``replica`` (a replica id to pin the request to, or None).
+    prompt) and ``replica`` (the id of a replica to pin the request to; ignored if no such
+    replica is running).
     """
 
     def initialize_state(self, max_imbalance: int = 4, blocks_per_replica: int = 1 << 16) -> None:
@@ -141,9 +142,9 @@ class PrefixAffinityRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         kwargs = pending_request.kwargs if pending_request is not None else {}
-        pinned = kwargs.get("replica")
-        if pinned:
-            return [[r for r in candidate_replicas if r.replica_id.unique_id == pinned]]
+        pinned = [r for r in candidate_replicas if r.replica_id.unique_id == kwargs.get("replica")]
+        if pinned:  # a replica that is gone is no pin: routed as any request (the header says where)
+            return [pinned]
         prefix = kwargs.get("prefix") or []
         if prefix and candidate_replicas:
             scored = [(self.matched(r.replica_id, prefix), -self.load(r), r) for r in candidate_replicas]
