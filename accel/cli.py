@@ -105,7 +105,10 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from accel.serving.serve import run_cli
+    if args.ray:
+        from accel.serving.ray_serve import run_cli
+    else:
+        from accel.serving.serve import run_cli
 
     return run_cli(args)
 
@@ -145,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     b.add_argument("--quantize", type=quantize_arg, default=None,
                    help="the experiment's quantization (as --set quantize=...): " + _QUANTIZE_HELP)
+    b.add_argument("--ray", action="store_true", help="run each point of the grid as a Ray task; rerunning an "
+                   "interrupted sweep runs only the points not yet written (docs/SCALE.md; pip install 'accel[ray]')")
+    b.add_argument("--address", default=None, help="with --ray: the cluster to join (HOST:PORT, ray://HOST:PORT or "
+                   "auto; default: $RAY_ADDRESS, else a local cluster)")
     b.set_defaults(func=_bench)
 
     t = sub.add_parser("train-heads", help="train Medusa draft heads by self-distillation",
@@ -220,6 +227,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model-name", default=None, help="the model id clients send and /v1/models lists "
                    "(default: from --model)")
     s.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    r = s.add_argument_group("on Ray (docs/SCALE.md; needs the 'ray' extra: pip install 'accel[ray]')")
+    r.add_argument("--ray", action="store_true", help="serve from Ray Serve replicas behind one endpoint that "
+                   "routes requests sharing a prompt prefix to the same replica")
+    r.add_argument("--replicas", type=int, default=None, help="model replicas (default 1)")
+    r.add_argument("--autoscale", default=None, metavar="MIN:MAX", help="autoscale between MIN and MAX replicas "
+                   "instead of --replicas")
+    r.add_argument("--address", default=None, help="Ray cluster to join (HOST:PORT, ray://HOST:PORT or auto; "
+                   "default: $RAY_ADDRESS, else a local cluster)")
+    r.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs per replica, fractions allowed; torch "
+                   "threads per replica = max(1, int(CPUs)) (default 1)")
+    r.add_argument("--replica-gpus", type=float, default=0.0, help="GPUs per replica (default 0: CPU)")
     s.set_defaults(func=_serve)
     return parser
 

@@ -10,7 +10,7 @@ import torch
 
 from accel.bench import ConfigError, load_config, run_experiment
 from accel.kernels.cpu import PackedLinear, prepack, prepack_supported
-from accel.bench.runner import _agreement, _schedule
+from accel.bench.runner import _agreement, schedule
 from accel.bench.experiment_file import apply_overrides
 from accel.bench.tasks import build_items, score
 from accel.cli import main
@@ -194,7 +194,7 @@ def test_agreement_and_rotation():
             self.name, self.unavailable = name, None
 
     configs = [C("a"), C("b"), C("c")]
-    orders = [[c.name for c in order] for _, _, order in _schedule(configs, [0, 1, 2], 2)]
+    orders = [[c.name for c in order] for _, _, order in schedule(configs, [0, 1, 2], 2)]
     assert orders[:3] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"]]
     assert orders[3] == ["b", "c", "a"]  # the next repeat starts one further on
     for order in orders:

@@ -8,6 +8,7 @@ Layout:
 - :mod:`.configurations`: the HF baselines and accel runs, and what each times.
 - :mod:`.measurement`: what a timed call records, the instruments that time it, the machine it ran on.
 - :mod:`.runner`: the warmed-up, interleaved grid.
+- :mod:`.ray_grid`: the same grid's points as Ray tasks (``--ray``), resumable.
 - :mod:`.batched`: how each configuration runs a batch, and requests arriving over time.
 - :mod:`.continuous_batching`: the ``hf_generate_batch`` baseline, transformers' continuous batching.
 - :mod:`.aggregate`: the figures (means, speed-ups against the reference, percentiles) from the rows.
@@ -43,6 +44,8 @@ def run_experiment(
     tokenizer: Any = None,
     command: str | None = None,
     quiet: bool = False,
+    ray: bool = False,
+    address: str | None = None,
 ) -> Path:
     """Run an experiment and write its outputs; returns the output folder.
 
@@ -52,6 +55,8 @@ def run_experiment(
     ``config.model`` (tests pass a tiny random model and a toy tokenizer this way).
     Everything that can fail before the grid (model, device, prompt lengths) is checked
     before the output folder is created.
+    ``ray``: run the grid's points as Ray tasks (:mod:`.ray_grid`) on the cluster at ``address``
+    (None: ``$RAY_ADDRESS``, else a local one); a rerun resumes the points not yet written.
     """
     import torch
 
@@ -60,19 +65,27 @@ def run_experiment(
     threads = torch.get_num_threads()
     if experiment.threads is not None:
         torch.set_num_threads(experiment.threads)
+    if ray:
+        from ..cluster import connect
+
+        if experiment.batched or experiment.arrivals is not None:
+            raise ValueError("accel bench --ray runs the per-item grid: leave batch_sizes at [1] and arrivals unset")
+        connect(address)
     try:
-        return _run(experiment, out, model, tokenizer, command, quiet)
+        return _run(experiment, out, model, tokenizer, command, quiet, ray)
     finally:
         torch.set_num_threads(threads)  # leave the process as we found it
 
 
-def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command: str | None, quiet: bool) -> Path:
+def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command: str | None, quiet: bool,
+         ray: bool = False) -> Path:
     import torch
 
     from . import configurations, measurement, plots, runner, summary, tasks
 
     torch.manual_seed(experiment.seed)
-    models, tokenizer = _models(experiment, model, tokenizer)
+    given = (model, tokenizer) if model is not None else None  # shipped to Ray workers as it is
+    models, tokenizer = configurations.load_models(experiment, model, tokenizer)
     model = models[0][1]
     if tokenizer is None:
         raise ValueError(f"model {experiment.model!r} comes without a tokenizer; the bench tasks need one")
@@ -104,11 +117,17 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
     for stale in [*out.glob("needle_*.png"), out / "speedup_vs_length.png", out / "accepted_per_step.png",
                   out / "throughput_vs_batch.png"]:
         stale.unlink(missing_ok=True)  # plots of an earlier run that this one may not redraw
-    (out / "experiment.json").write_text(json.dumps(experiment.model_dump(mode="json"), indent=2) + "\n")
+    spec = json.dumps(experiment.model_dump(mode="json"), indent=2) + "\n"
+    same = (out / "experiment.json").exists() and (out / "experiment.json").read_text() == spec
+    (out / "experiment.json").write_text(spec)
     started = time.strftime("%Y-%m-%d %H:%M:%S %Z")
     t0 = time.perf_counter()
     results = out / "results.jsonl"
-    if experiment.batched:
+    if ray:
+        from .ray_grid import run_grid_ray
+
+        rows = run_grid_ray(experiment, configs, items, results, loaded=given, resume=same, quiet=quiet)
+    elif experiment.batched:
         results.write_text("", encoding="utf-8")
         rows = runner.run_batched_grid(experiment, model, tokenizer, configs, items, results, quiet=quiet)
     else:
@@ -136,54 +155,6 @@ def _run(experiment: Experiment, out: Path, model: Any, tokenizer: Any, command:
     return out
 
 
-def _models(experiment: Experiment, model: Any, tokenizer: Any) -> tuple[list[tuple[str, Any]], Any]:
-    """``[(precision, model)]``: one model of ``dtype`` / ``quantize``, or one per entry of
-    ``precisions``; loaded, or made from a given ``model`` (a copy per precision: cast, or
-    quantized with :func:`accel.kernels.lowbit.quantize_model`). Also the tokenizer."""
-    import torch
-
-    from ..dtypes import DTYPES
-    from ..kernels.compiled import enable as enable_compiled
-
-    wanted = experiment.precisions or [experiment.precision]
-    if model is not None:
-        made, tokenizer = _given(experiment, model, tokenizer, wanted)
-        for _, m in made:
-            enable_compiled(m, experiment.compile)
-        return made, tokenizer
-    from ..models import load_model
-
-    device = torch.device(experiment.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
-    models = []
-    for p in wanted:
-        dtype, quantize = (p, None) if p in DTYPES else (experiment.dtype, p)
-        loaded, loaded_tok = load_model(experiment.model, dtype=dtype, device=device, prepack=experiment.prepack,
-                                        compile=experiment.compile, quantize=quantize)
-        tokenizer = tokenizer if tokenizer is not None else loaded_tok
-        models.append((p, loaded))
-    return models, tokenizer
-
-
-def _given(experiment: Experiment, model: Any, tokenizer: Any, wanted: list[str]) -> tuple[list[tuple[str, Any]], Any]:
-    """The models of :func:`_models` made from a given ``model``."""
-    import copy
-
-    from ..dtypes import DTYPES
-    from ..kernels.lowbit import quantization_of, quantize_model
-
-    if not experiment.precisions:
-        if experiment.quantize is not None and quantization_of(model) is None:
-            model = quantize_model(copy.deepcopy(model), experiment.quantize)
-        return [(experiment.precision, model)], tokenizer
-    made = []
-    for p in wanted:
-        twin = copy.deepcopy(model)
-        made.append((p, twin.to(DTYPES[p]) if p in DTYPES else quantize_model(twin, p)))
-    return made, tokenizer
-
-
 def _command(args: Any) -> str:
     parts = ["accel", "bench", args.config]
     if args.out:
@@ -192,6 +163,8 @@ def _command(args: Any) -> str:
         parts += ["--set", item]
     if getattr(args, "quantize", None) is not None:
         parts += ["--quantize", args.quantize]
+    if getattr(args, "ray", False):
+        parts += ["--ray"] + (["--address", args.address] if args.address else [])
     return " ".join(shlex.quote(p) for p in parts)
 
 
@@ -207,7 +180,8 @@ def run_cli(args: Any) -> int:
         print(f"accel bench: {args.config} is not a valid experiment ({n} problem{'s' * (n != 1)}):", file=sys.stderr)
         print(str(err), file=sys.stderr)
         return 2
-    out = run_experiment(experiment, args.out, command=_command(args))
+    out = run_experiment(experiment, args.out, command=_command(args), ray=getattr(args, "ray", False),
+                         address=getattr(args, "address", None))
     rows = sum(1 for _ in open(out / "results.jsonl", encoding="utf-8"))
     plots = sorted(p.name for p in out.glob("*.png"))
     print(f"accel bench: wrote {out / 'results.jsonl'} ({rows} rows), {out / 'summary.md'}"

@@ -38,7 +38,7 @@ from .schema import (Arrivals, Experiment, HFAssisted, HFGenerate, HFGenerateBat
                      KVPressSnapKV)
 from .tasks import TaskItem
 
-__all__ = ["Configuration", "Sampling", "build_configurations"]
+__all__ = ["Configuration", "Sampling", "build_configurations", "load_models"]
 
 
 @dataclass
@@ -346,3 +346,42 @@ def build_configurations(experiment: Experiment, model: Any, tokenizer: Any) -> 
 
 
 # --------------------------------------------------------------------------- the grid
+
+
+def load_models(experiment: Experiment, model: Any, tokenizer: Any) -> tuple[list[tuple[str, Any]], Any]:
+    """``[(precision, model)]``: one model of ``dtype`` / ``quantize``, or one per entry of
+    ``precisions``; loaded, or made from a given ``model`` (a copy per precision: cast, or
+    quantized with :func:`accel.kernels.lowbit.quantize_model`). Also the tokenizer."""
+    import copy
+
+    from ..dtypes import DTYPES
+    from ..kernels.compiled import enable as enable_compiled
+    from ..kernels.lowbit import quantization_of, quantize_model
+
+    wanted = experiment.precisions or [experiment.precision]
+    if model is not None:
+        made = [(experiment.precision, model)]
+        if not experiment.precisions:
+            if experiment.quantize is not None and quantization_of(model) is None:
+                made = [(experiment.precision, quantize_model(copy.deepcopy(model), experiment.quantize))]
+        else:
+            made = []
+            for p in wanted:
+                twin = copy.deepcopy(model)
+                made.append((p, twin.to(DTYPES[p]) if p in DTYPES else quantize_model(twin, p)))
+        for _, m in made:
+            enable_compiled(m, experiment.compile)
+        return made, tokenizer
+    from ..models import load_model
+
+    device = torch.device(experiment.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {experiment.device!r}: CUDA is not available on this machine")
+    models = []
+    for p in wanted:
+        dtype, quantize = (p, None) if p in DTYPES else (experiment.dtype, p)
+        loaded, loaded_tok = load_model(experiment.model, dtype=dtype, device=device, prepack=experiment.prepack,
+                                        compile=experiment.compile, quantize=quantize)
+        tokenizer = tokenizer if tokenizer is not None else loaded_tok
+        models.append((p, loaded))
+    return models, tokenizer

@@ -39,6 +39,9 @@ from .tasks import TaskItem, score
 
 __all__ = [
     "run_grid",
+    "run_point",
+    "warm_up",
+    "schedule",
     "run_batched_grid",
     "run_arrivals",
     "make_groups",
@@ -60,7 +63,9 @@ def _agreement(out: list[int], ref: list[int]) -> float:
     return n / len(ref)
 
 
-def _schedule(configs: list[Configuration], items: list[TaskItem], repeats: int) -> Iterator[tuple[int, int, list[Configuration]]]:
+def schedule(configs: list[Configuration], items: list[TaskItem], repeats: int) -> Iterator[tuple[int, int, list[Configuration]]]:
+    """Every point of the grid in run order: (repeat, item index, the runnable configurations
+    rotated by ``repeat + item``)."""
     runnable = [c for c in configs if c.unavailable is None]
     for r in range(repeats):
         for i in range(len(items)):
@@ -96,53 +101,69 @@ def run_grid(
     quiet: bool = False,
 ) -> list[dict[str, Any]]:
     """Warm up, run the interleaved grid, append one row per run to ``results_path``."""
-    gen = experiment.generation
     device = adapter.geometry(model).device
     runnable = [c for c in configs if c.unavailable is None]
     warm = runnable if experiment.warmup_tokens > 0 and items else []
     total = len(warm) + experiment.repeats * len(items) * len(runnable)
-    names = {c.name for c in runnable}
     rows: list[dict[str, Any]] = []
 
     with torch.inference_mode(), _progress(total, quiet) as step, open(results_path, "w", encoding="utf-8") as out:
-        for c in warm:
-            step(f"warm-up {c.name}", 0)
-            try:
-                c.generate(_warmup_item(items[0]), min(experiment.warmup_tokens, gen.max_new_tokens))
-            except Exception:
-                pass  # the timed runs record the error
-            step(f"warm-up {c.name}", 1)
-
-        for r, i, order in _schedule(configs, items, experiment.repeats):
-            item = items[i]
-            group: dict[str, dict[str, Any]] = {}
-            outputs: dict[str, list[int]] = {}
-            for c in order:
-                step(f"r{r} {item.task}/{item.item_id} {c.name}", 0)
-                row = _row(experiment, c, item, r)
-                try:
-                    if device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats(device)
-                    with PeakMemory() as mem:
-                        m = c.generate(item, gen.max_new_tokens)
-                    row.update(_measured(m, mem, device, tokenizer, item))
-                    outputs[c.name] = m.new_ids
-                except Exception as err:  # record and go on: one failure must not lose the grid
-                    row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-                group[c.name] = row
-                step(f"r{r} {item.task}/{item.item_id} {c.name}", 1)
-            # sampled outputs are draws, not a reference to match: they are not compared
-            ref = outputs.get(experiment.reference) if experiment.reference in names and gen.temperature == 0 else None
-            for name, row in group.items():
-                if name in outputs and ref is not None:
-                    row["agreement"] = _agreement(outputs[name], ref)
-                    row["exact"] = outputs[name] == ref
-            for c in configs:  # file order, so results.jsonl reads the same whatever the rotation
-                if c.name in group:
-                    out.write(json.dumps(group[c.name]) + "\n")
-                    rows.append(group[c.name])
+        warm_up(experiment, configs, items, step)
+        for r, i, order in schedule(configs, items, experiment.repeats):
+            group = run_point(experiment, configs, items[i], r, order, tokenizer, device, step)
+            for row in group:
+                out.write(json.dumps(row) + "\n")
+            rows += group
             out.flush()
     return rows
+
+
+def warm_up(experiment: Experiment, configs: list[Configuration], items: list[TaskItem],
+            step: Callable[[str, int], None] = lambda desc, advance: None) -> None:
+    """One untimed call per runnable configuration on the first item (see the module docstring)."""
+    if experiment.warmup_tokens <= 0 or not items:
+        return
+    for c in configs:
+        if c.unavailable is not None:
+            continue
+        step(f"warm-up {c.name}", 0)
+        try:
+            c.generate(_warmup_item(items[0]), min(experiment.warmup_tokens, experiment.generation.max_new_tokens))
+        except Exception:
+            pass  # the timed runs record the error
+        step(f"warm-up {c.name}", 1)
+
+
+def run_point(experiment: Experiment, configs: list[Configuration], item: TaskItem, r: int,
+              order: list[Configuration], tokenizer: Any, device: torch.device,
+              step: Callable[[str, int], None] = lambda desc, advance: None) -> list[dict[str, Any]]:
+    """One point of the grid: every configuration of ``order`` runs ``item`` once (repeat
+    ``r``), one after the other; its rows in file order, compared with the reference's output."""
+    gen = experiment.generation
+    names = {c.name for c in configs if c.unavailable is None}
+    group: dict[str, dict[str, Any]] = {}
+    outputs: dict[str, list[int]] = {}
+    for c in order:
+        step(f"r{r} {item.task}/{item.item_id} {c.name}", 0)
+        row = _row(experiment, c, item, r)
+        try:
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            with PeakMemory() as mem:
+                m = c.generate(item, gen.max_new_tokens)
+            row.update(_measured(m, mem, device, tokenizer, item))
+            outputs[c.name] = m.new_ids
+        except Exception as err:  # record and go on: one failure must not lose the grid
+            row["error"] = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        group[c.name] = row
+        step(f"r{r} {item.task}/{item.item_id} {c.name}", 1)
+    # sampled outputs are draws, not a reference to match: they are not compared
+    ref = outputs.get(experiment.reference) if experiment.reference in names and gen.temperature == 0 else None
+    for name, row in group.items():
+        if name in outputs and ref is not None:
+            row["agreement"] = _agreement(outputs[name], ref)
+            row["exact"] = outputs[name] == ref
+    return [group[c.name] for c in configs if c.name in group]  # file order, whatever the rotation
 
 
 WARMUP_PROMPT = 256

@@ -9,12 +9,14 @@ from typing import Any
 from ..strategy import build_strategies
 from .app import DEFAULT_MAX_TOKENS, create_app
 
-__all__ = ["create_app", "run_cli"]
+__all__ = ["create_app", "run_cli", "served_name"]
 
 log = logging.getLogger(__name__)
 
 
-def _served_name(spec: str) -> str:
+def served_name(spec: str) -> str:
+    """The model id clients send for a ``--model`` spec: the default model's name, a GGUF file's stem,
+    a folder's name, else the spec itself."""
     from pathlib import Path
 
     from ..models import DEFAULT_MODEL_NAME
@@ -72,7 +74,7 @@ def run_cli(args: Any) -> int:
     context = int(getattr(model.config, "max_position_embeddings", 0) or 0)
     if context <= 0:
         raise ValueError(f"{args.model}: its config has no max_position_embeddings")
-    name = args.model_name or _served_name(args.model)
+    name = args.model_name or served_name(args.model)
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("binding %s: the server has no authentication", args.host)
     with accel.Engine(model, strategies=strategies, max_batch=args.max_batch, tokenizer=tokenizer,
