@@ -46,6 +46,8 @@ __all__ = [
     "capture_window_queries",
     "capture_step_queries",
     "capture_queries_at",
+    "capture_layer_states",
+    "rotary_embedding",
     "per_layer_masks",
     "layer_windows",
     "query_groups",
@@ -567,6 +569,65 @@ def _at_positions(hidden: torch.Tensor, pos_emb: Any, idx: torch.Tensor) -> tupl
     if pos_emb is not None:
         pos_emb = tuple(_take_rows(p, idx) if p.shape[0] == hidden.shape[0] else p[:, idx[0]] for p in pos_emb)
     return hidden, pos_emb
+
+
+@contextmanager
+def capture_layer_states(model: PreTrainedModel, cache: Cache, layers: tuple[int, ...],
+                         sink: dict[int, torch.Tensor]) -> Iterator[None]:
+    """While active, the hidden states of every new token of a forward that carries ``cache``
+    land in ``sink[k]`` ([B, T, H]) for each k of ``layers``: k >= 0 the input of decoder
+    layer k (the residual stream after k layers), -1 the final normed hidden state (what the
+    output head reads). What EAGLE drafters read (:meth:`accel.strategy.Drafter.feature_layers`);
+    the forward itself is unchanged; several forwards (a chunked prefill) concatenate along T. Raises a ValueError naming the model on entry when a
+    layer does not exist. Removed on exit."""
+    if not layers:
+        yield
+        return
+    decoder = model.get_decoder()
+    blocks = getattr(decoder, "layers", None)
+    count = model.config.get_text_config(decoder=True).num_hidden_layers
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) < count:
+        raise ValueError(f"{type(model).__name__}: found no decoder layer list; accel cannot read its hidden states")
+    bad = [k for k in layers if not -1 <= k < count]
+    if bad:
+        raise ValueError(f"{type(model).__name__} has {count} decoder layers; it has no hidden states of layer(s) {bad}")
+
+    def before(k: int):
+        def hook(module, args, kwargs):
+            if _cache_argument(kwargs) is cache:
+                _gather_state(sink, k, kwargs.get("hidden_states", args[0] if args else None))
+            return None
+        return hook
+
+    def after(module, args, kwargs, output):
+        if _cache_argument(kwargs) is cache:
+            _gather_state(sink, -1, output.last_hidden_state if hasattr(output, "last_hidden_state") else output[0])
+        return None
+
+    handles = [blocks[k].register_forward_pre_hook(before(k), with_kwargs=True) for k in layers if k >= 0]
+    if -1 in layers:
+        handles.append(decoder.register_forward_hook(after, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _gather_state(sink: dict[int, torch.Tensor], k: int, states: torch.Tensor) -> None:
+    """States of a forward join those of earlier forwards in the same capture (the chunks of a
+    chunked prefill), along the token dimension."""
+    sink[k] = states if k not in sink else torch.cat([sink[k], states], dim=1)
+
+
+def rotary_embedding(config: Any) -> torch.nn.Module:
+    """The rotary position embedding of a Llama-style ``config`` (every RoPE scaling type
+    transformers knows): a module mapping ``(x [B, T, ...], position_ids [B, T])`` to
+    ``(cos, sin)``, each [B, T, head_dim], in x's dtype. For draft layers that keep their own
+    cache (EAGLE), apply with ``q * cos + rotate_half(q) * sin``."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(config=config)
 
 
 def _take_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:

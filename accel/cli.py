@@ -1,4 +1,4 @@
-"""The ``accel`` command line: ``accel generate``, ``accel bench``, ``accel train-heads``,
+"""The ``accel`` command line: ``accel generate``, ``accel bench``, ``accel train-heads``, ``accel train-eagle``,
 ``accel calibrate``, ``accel serve``."""
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _train_heads(args: argparse.Namespace) -> int:
     from speculative.train import run_cli
+
+    return run_cli(args)
+
+
+def _train_eagle(args: argparse.Namespace) -> int:
+    from speculative.eagle.train import run_cli
 
     return run_cli(args)
 
@@ -189,6 +195,30 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default=None)
     t.add_argument("--restart", action="store_true", help="discard cached data and checkpoints in --out")
     t.set_defaults(func=_train_heads, parser=t)
+
+    e = sub.add_parser("train-eagle", help="train an EAGLE-3 draft layer by self-distillation",
+                       description="An EAGLE-3 draft (target frozen) trained on the model's own greedy answers to the "
+                       "shipped prompts, with training-time test; saved in the EAGLE-3 format. Resumable: rerun the "
+                       "same command to continue. Unset options take the defaults of "
+                       "speculative.eagle.train.EagleTrainConfig.")
+    e.add_argument("--model", default="default")
+    e.add_argument("--out", required=True, help="output folder (draft, cached answers, checkpoint)")
+    e.add_argument("--prompts", default=None, help="prompt file, one a line (default: speculative/data/train_prompts.txt)")
+    e.add_argument("--max-prompts", type=int, default=None)
+    e.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per prompt (default 192)")
+    e.add_argument("--gen-batch-size", type=int, default=None, help="prompts answered together (default 32)")
+    e.add_argument("--draft-vocab", type=int, default=None, help="tokens the draft predicts (default 8192)")
+    e.add_argument("--ttt-steps", type=int, default=None, help="unrolled steps of training-time test (default 3)")
+    e.add_argument("--max-len", type=int, default=None, help="tokens per training sequence at most (default 384)")
+    e.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 4)")
+    e.add_argument("--epochs", type=float, default=None, help="passes over the data (default 2)")
+    e.add_argument("--lr", type=float, default=None, help="peak learning rate (default 3e-4)")
+    e.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints (default 50)")
+    e.add_argument("--seed", type=int, default=None)
+    e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    e.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default=None)
+    e.add_argument("--restart", action="store_true", help="discard cached answers and checkpoints in --out")
+    e.set_defaults(func=_train_eagle, parser=e)
 
     c = sub.add_parser("calibrate", help="measure verify-pass costs on this machine and cache them",
                        description="Time verify passes of the model (plain, transposed, packed and split linear kernels, a grid of "

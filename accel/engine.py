@@ -181,7 +181,9 @@ class Row:
 
     prompt: LongTensor [n]; tokens: LongTensor [n + generated] (prompt, emitted tokens; the
     last one is the pending root); states: one per drafter of ``plan``; hidden: [H] the
-    verifier's hidden state at the root's parent (for drafters that need it).
+    verifier's hidden state at the root's parent (for drafters that need it); features: per
+    layer the drafters read (:meth:`~accel.strategy.Drafter.feature_layers`), the verifier's
+    hidden states [m, H] at the positions not yet handed to them (``DraftContext.features``).
     """
 
     prompt: torch.Tensor
@@ -194,6 +196,8 @@ class Row:
     generated: list[int] = field(default_factory=list)
     states: list[Any] = field(default_factory=list)
     hidden: torch.Tensor | None = None
+    features: dict[int, torch.Tensor] | None = None
+    feature_layers: tuple[int, ...] = ()  # the layers of ``features`` (set when admitted)
     stats: Stats = field(default_factory=Stats)
     finish_reason: str | None = None  # "stop" | "length" | "cancelled" | "error"
     error: BaseException | None = None  # why the request failed (finish_reason "error")
@@ -327,6 +331,8 @@ class Batch:
         if not rows:
             return
         t0 = time.perf_counter()
+        for r in rows:
+            r.feature_layers, r.features = r.plan.feature_layers(self.model), None
         reusable = [self._reuses(r) for r in rows]
         yield from self._share_within([r for r, ok in zip(rows, reusable) if ok])
         matches = [self.prefixes.match(r.prompt) if ok else None for r, ok in zip(rows, reusable)]
@@ -341,9 +347,12 @@ class Batch:
             fresh = SharedCache(self.geo.num_layers, self.windows)
             captured: dict[int, torch.Tensor] = {}
             selected: dict[tuple[int, int], torch.Tensor] = {}
-            hidden = yield from prefill_steps(self.model, fresh, [r.prompt for r in whole],
-                                              [r.plan.compressor for r in whole], captured, selected,
-                                              chunk=self.prefill_chunk)
+            states: dict[int, torch.Tensor] = {}
+            with adapter.capture_layer_states(self.model, fresh, self._feature_layers(whole), states):
+                hidden = yield from prefill_steps(self.model, fresh, [r.prompt for r in whole],
+                                                  [r.plan.compressor for r in whole], captured, selected,
+                                                  chunk=self.prefill_chunk)
+            _hand_features(whole, states, [(b, torch.arange(int(r.prompt.numel()))) for b, r in enumerate(whole)])
             for b, r in enumerate(whole):
                 c = r.plan.compressor
                 if c is not None and c.decode_limit() is not None and c.decode_window():
@@ -356,8 +365,13 @@ class Batch:
             fresh.load_prefixes([(m.keys, m.values, m.length) if m is not None else None for _, m in rest])
             if whole:
                 yield
-            hidden = yield from prefill_rest_steps(self.model, fresh, [r.prompt for r, _ in rest], self.geo.dtype,
-                                                   self.groups, chunk=self.prefill_chunk)
+            states = {}
+            with adapter.capture_layer_states(self.model, fresh, self._feature_layers([r for r, _ in rest]), states):
+                hidden = yield from prefill_rest_steps(self.model, fresh, [r.prompt for r, _ in rest], self.geo.dtype,
+                                                       self.groups, chunk=self.prefill_chunk)
+            _hand_features([r for r, _ in rest], states,  # the features of the prompt past the reused prefix
+                           [(b, torch.arange(int(r.prompt.numel()) - (m.length if m is not None else 0)))
+                            for b, (r, m) in enumerate(rest)])
             for r, m in rest:
                 r.stats.cached_prompt_tokens = m.length if m is not None else 0
             parts.append(([r for r, _ in rest], fresh, hidden))
@@ -390,6 +404,10 @@ class Batch:
         for i, row in enumerate(rows):
             row.upkeep = maintenance.start(row.plan.compressor, row.plan.quantizer, self.cache, first + i,
                                            row.tokens, latest.get(id(row)), kept.get(id(row)))
+
+    def _feature_layers(self, rows: Sequence[Row]) -> tuple[int, ...]:
+        """Every target layer the drafters of ``rows`` read (see :func:`_hand_features`)."""
+        return tuple(sorted({k for r in rows for k in r.feature_layers}))
 
     def _share_within(self, rows: list[Row]) -> PrefillSteps:
         """When admitted prompts share a prefix the store does not hold (a burst of requests
@@ -439,7 +457,10 @@ class Batch:
         budgets = [row.upkeep.draft_room(n, k) if row.upkeep is not None else k
                    for row, n, k in zip(rows, lengths, self.budgets())]  # no step verifies past a cache change
         ctxs = [DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
-                             generator=row.generator) for row, budget in zip(rows, budgets)]
+                             generator=row.generator, features=row.features) for row, budget in zip(rows, budgets)]
+        for row, budget in zip(rows, budgets):
+            if budget > 0 and row.plan.drafters:  # handed over: the next context carries what follows
+                row.features = None
         drafted, draft_s, errors = draft_rows([r.plan for r in rows], [r.states for r in rows], ctxs)
         trees, sources = [t for t, _ in drafted], [s for _, s in drafted]
         for row, err in zip(rows, errors):
@@ -450,7 +471,8 @@ class Batch:
             captured = {}
         tap = adapter.capture_step_queries(self.model, self.cache, captured) if captured is not None \
             else contextlib.nullcontext()
-        with tap:
+        states: dict[int, torch.Tensor] = {}
+        with tap, adapter.capture_layer_states(self.model, self.cache, self._feature_layers(rows), states):
             hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
                                            self.min_nodes)
         counts = [tree.num_nodes for tree in trees]
@@ -464,6 +486,8 @@ class Batch:
             accs.append(acc)
             start = end
         commit(self.cache, accs)
+        if states:
+            _hand_features(rows, states, [(b, torch.tensor(acc.path)) for b, acc in enumerate(accs)])
         elapsed = time.perf_counter() - t0
         self._judge(trees, accs, elapsed)
         for b, (row, tree, acc) in enumerate(zip(rows, trees, accs)):
@@ -532,6 +556,22 @@ class Batch:
         for row in done:
             self.retire(row)
         return done
+
+
+def _hand_features(rows: Sequence[Row], states: dict[int, torch.Tensor], where: list[tuple[int, torch.Tensor]]) -> None:
+    """Append to each row's pending ``features`` the captured hidden states ``states[k]``
+    ([B, T, H] of one forward) of the layers its drafters read, at ``where[i] = (b, nodes)``:
+    row i's batch row in the forward and its committed nodes (a prompt's positions, an
+    accepted path), in order."""
+    if not states:
+        return
+    for row, (b, nodes) in zip(rows, where):
+        layers = [k for k in row.feature_layers if k in states]
+        if not layers:
+            continue
+        new = {k: states[k][b, nodes.to(states[k].device)] for k in layers}
+        old = row.features
+        row.features = new if old is None else {k: torch.cat([old[k], new[k]]) for k in layers}
 
 
 # --------------------------------------------------------------------------- the loop

@@ -13,6 +13,8 @@ The decode loop never uses ``isinstance`` on strategies; it reads capability fla
   (:class:`PromptCompressor`).
 - ``drafts``: the strategy proposes draft trees for verification (:class:`Drafter`).
 - ``needs_hidden``: the drafter wants the verifier's last hidden state (Medusa heads).
+- :meth:`Drafter.feature_layers`: the target layers whose hidden states the drafter reads at
+  every verified position (EAGLE), handed over as ``DraftContext.features``.
 - ``accepts``: the strategy replaces the acceptance rule (:class:`AcceptanceRule`).
 - ``quantizes_kv``: the strategy quantizes the entries a row keeps (:class:`KVQuantizer`).
 
@@ -35,6 +37,7 @@ __all__ = [
     "Selection",
     "Drafter",
     "DraftContext",
+    "FINAL_HIDDEN",
     "DraftProposal",
     "AcceptanceRule",
     "KVQuantizer",
@@ -151,6 +154,11 @@ class PromptCompressor(Strategy):
 # --------------------------------------------------------------------------- drafting
 
 
+#: The layer id of :meth:`Drafter.feature_layers` that names the final normed hidden state
+#: (the output head's input), not a decoder layer's input.
+FINAL_HIDDEN = -1
+
+
 @dataclass
 class DraftContext:
     """What a drafter may read when proposing; owned by the engine, read-only for drafters.
@@ -164,6 +172,11 @@ class DraftContext:
         None for greedy decoding; a drafter that samples drafts samples from
         ``softmax(warp(logits))`` and records that distribution as ``DraftProposal.probs``.
     generator: the request's random generator (None when greedy).
+    features: per layer of the row's drafters' :meth:`Drafter.feature_layers`, the verifier's
+        hidden states [m, H] at the m positions just before the pending root that no earlier
+        context of this row carried (positions ``len(tokens) - 1 - m .. len(tokens) - 2``: the
+        prompt at the first step, the accepted path root included after a verify), or None
+        when no drafter of the row asks for layers.
     """
 
     tokens: torch.Tensor
@@ -171,6 +184,7 @@ class DraftContext:
     max_tokens: int
     warp: Callable[[torch.Tensor], torch.Tensor] | None = None
     generator: torch.Generator | None = None
+    features: dict[int, torch.Tensor] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -205,6 +219,14 @@ class Drafter(Strategy):
         Called once per request before the prefill, so a bad configuration fails before any
         expensive work. The default accepts every model.
         """
+
+    def feature_layers(self, model: Any) -> tuple[int, ...]:
+        """Target layers whose hidden states this drafter reads, collected by the forwards the
+        engine runs anyway (prefill and verify: no extra pass) and handed over as
+        ``DraftContext.features``: layer k is the input of decoder layer k (the residual
+        stream after k layers, as vLLM's EAGLE-3 auxiliary layers count them),
+        :data:`FINAL_HIDDEN` the final normed hidden state. The default reads none."""
+        return ()
 
     def start(self, model: Any, prompt: torch.Tensor) -> Any:
         """Per-request state, created after the prefill. prompt: LongTensor [n]."""
@@ -379,6 +401,10 @@ class Plan:
     @property
     def needs_hidden(self) -> bool:
         return any(d.needs_hidden for d in self.drafters)
+
+    def feature_layers(self, model: Any) -> tuple[int, ...]:
+        """Every layer the drafters read (:meth:`Drafter.feature_layers`), sorted."""
+        return tuple(sorted({k for d in self.drafters for k in d.feature_layers(model)}))
 
     @functools.cached_property
     def drafter_specs(self) -> tuple[str, ...]:

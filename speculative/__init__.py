@@ -1,13 +1,14 @@
 """Drafters and lossy acceptance rules for accel's speculative decoding.
 
 Importing the package registers the ``typical`` acceptance rule and the drafters
-(``prompt_lookup``, ``medusa``, ``draft_model``, ``ngrammys``). Draft trees and the exact acceptance rules are core verify
+(``prompt_lookup``, ``medusa``, ``eagle``, ``draft_model``, ``ngrammys``). Draft trees and the exact acceptance rules are core verify
 machinery and live in ``accel.tree`` / ``accel.acceptance``.
 """
 
 from .typical import TypicalAcceptance
 from .prompt_lookup import PromptLookup
 from .medusa import Medusa, MedusaHeads
+from .eagle import Eagle
 from .draft_model import DraftModel
 from .ngrammys import NGrammys
 from .medusa.trees import TREES, build_tree
@@ -17,6 +18,7 @@ __all__ = [
     "PromptLookup",
     "Medusa",
     "MedusaHeads",
+    "Eagle",
     "DraftModel",
     "NGrammys",
     "TREES",

@@ -105,7 +105,7 @@ def _unadmitted(row: Row, generator_state: torch.Tensor | None) -> None:
     drafter states, random draws), so that it can be admitted again."""
     row.generated.clear()
     row.finish_reason = None
-    row.tokens = row.hidden = None
+    row.tokens = row.hidden = row.features = None
     row.states = []
     row.stats = Stats()
     if generator_state is not None:
