@@ -254,7 +254,7 @@ def test_bench_quantize_flag_is_an_override(monkeypatch, tmp_path):
 
     got = {}
 
-    def fake_run(experiment, out=None, command=None):
+    def fake_run(experiment, out=None, command=None, **kwargs):
         got["experiment"], got["command"] = experiment, command
         (tmp_path / "results.jsonl").write_text("")
         return tmp_path
