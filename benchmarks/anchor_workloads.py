@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from accel.bench.measurement import cpu_model
 import accel
 from accel.kernels import compiled
 from accel.models import chat_ids
@@ -34,14 +35,6 @@ QUESTIONS = ["How do vaccines train the immune system?", "Write a limerick about
              "Give a recipe outline for vegetable soup.", "Why does ice float on water?",
              "Compare trains and planes for a 500 km trip.", "What does a compiler do, in brief?"]
 DRAFTERS = {"prompt_lookup": "prompt_lookup", "medusa": "medusa:heads=default", "ngrammys": "ngrammys"}
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "cpu"
 
 
 def _commit() -> str:
@@ -79,7 +72,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     configs = [parse_config(c) for c in args.config]
-    cpu, commit = _cpu_name(), _commit()
+    cpu, commit = cpu_model(), _commit()
     loaded: dict[tuple, tuple] = {}
     reference: dict[tuple, tuple] = {}
     rows = []

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from accel.bench.measurement import cpu_model  # noqa: E402
 import accel  # noqa: E402
 from accel.kernels import invariance  # noqa: E402
 from accel.models import chat_ids, load_default  # noqa: E402
@@ -43,14 +42,6 @@ def unpadded():
         yield
     finally:
         invariance.verify_rows, invariance.kv_align, invariance.ordered = real
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def agreement(model, tok, prompts: list[str], new: int, padded: bool) -> None:

@@ -20,6 +20,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from accel.bench.measurement import cpu_model
 import accel
 from accel.kernels import compiled
 from speculative import PromptLookup
@@ -40,14 +41,6 @@ def _timed(device, fn):
     out = fn()
     _sync(device)
     return out, time.perf_counter() - t
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "cpu"
 
 
 def main() -> None:
@@ -72,7 +65,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     base = torch.randint(2, 49152, (32,), generator=gen)
     prompts = torch.stack([base.roll(i).repeat(4) for i in range(8)]).to(device)  # 128 tokens, repetitive
-    name = torch.cuda.get_device_name(0) if device.type == "cuda" else _cpu_name()
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else cpu_model()
     rows = []
 
     def record(**row):

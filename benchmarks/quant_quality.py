@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # float32 reference runs on the kernels as loaded
 os.environ.setdefault("ACCEL_CALIBRATION", "off")
 
+from accel.bench.measurement import cpu_model  # noqa: E402
 import accel  # noqa: E402
 from accel.bench.schema import Experiment, NeedleTask, precision_name  # noqa: E402
 from accel.bench.tasks import build_items, score  # noqa: E402
@@ -40,14 +40,6 @@ from accel.kernels.lowbit import quantization_of  # noqa: E402
 from accel.models import chat_ids, load_default  # noqa: E402
 from snapkv import SnapKV  # noqa: E402
 from speculative.train import held_out_prompts  # noqa: E402
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def load(precision: str):

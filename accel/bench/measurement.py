@@ -232,6 +232,17 @@ class PeakMemory:
             self.peak_mib = max(self._samples) / 2**20 if self._samples else None
 
 
+def cpu_model() -> str:
+    """This CPU's model name (/proc/cpuinfo's "model name"), else what ``platform`` knows."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next(line.split(":", 1)[1].strip() for line in fh if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:
     """What the run ran on, for summary.md and results."""
     import platform
@@ -240,17 +251,8 @@ def machine_info(model: Any, experiment: Experiment) -> dict[str, Any]:
 
     from ..models import DEFAULT_MODEL_NAME
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
     info = {
-        "platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+        "platform": platform.platform(), "cpu": cpu_model(), "cpu_count": os.cpu_count(),
         "affinity": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
         "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__, "device": str(adapter.geometry(model).device),
