@@ -9,6 +9,7 @@ milliseconds of each phase of a step (drafting, the verify forward with the outp
 commit).
 
     python benchmarks/step_profile.py --batch 8 12 --strategy medusa:heads=default --strategy prompt_lookup
+    python benchmarks/step_profile.py --batch 1 8 --dtype bfloat16 --quantize int4
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_load import PROMPTS  # noqa: E402
 
 from accel import adapter, engine  # noqa: E402
+from accel.bench.measurement import cpu_model  # noqa: E402
 from accel.models import chat_ids, load_model  # noqa: E402
 from accel.strategy import build_strategies  # noqa: E402
 
@@ -99,15 +101,17 @@ def main() -> None:
     ap.add_argument("--strategy", action="append", default=[], help="NAME:k=v, as for accel generate")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", default=None, help="as for accel.load_model (default: the model's own)")
+    ap.add_argument("--quantize", default=None, choices=["int8", "int4"])
     args = ap.parse_args()
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
     plans = {"plain": engine.plan_strategies([])}
     if args.strategy:
         plans["+".join(args.strategy)] = engine.plan_strategies(build_strategies(args.strategy))
     for plan in plans.values():
         plan.check(model)
     timer = PhaseTimer()
-    print(f"model={args.model} threads={torch.get_num_threads()} steps={args.steps} rounds={args.rounds}")
+    print(f"model={args.model} dtype={model.dtype} quantize={args.quantize} cpu={cpu_model()!r} threads={torch.get_num_threads()} steps={args.steps} rounds={args.rounds}")
     for b in args.batch:
         prompts = [chat_ids(tok, PROMPTS[i % len(PROMPTS)])[0] for i in range(b)]
         best: dict[str, dict[str, float]] = {}
