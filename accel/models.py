@@ -43,6 +43,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "PACKAGED_MODELS",
     "PackagedModel",
+    "prepacked",
     "ModelNotAvailableError",
     "cache_dir",
     "chat_ids",
@@ -141,11 +142,12 @@ def load_default(
     dtype = as_dtype(dtype)
     gguf = default_gguf_path()
     model, tokenizer = _load_converted(gguf, default_checkpoint_dir(), DEFAULT_MODEL_NAME, dtype, device, attn_implementation)
-    return _prepacked(model, prepack), tokenizer
+    return prepacked(model, prepack), tokenizer
 
 
-def _prepacked(model, prepack: bool | Literal["auto"]):
-    """Pack ``model``'s linear layers if ``prepack`` is True (packed for every call). If it is
+def prepacked(model, prepack: bool | Literal["auto"]):
+    """Pack ``model``'s linear layers if ``prepack`` is True (packed for every call; float32, and
+    bf16 on a CPU with bf16 instructions: :func:`accel.kernels.cpu.packable_dtypes`). If it is
     ``"auto"``, use the linear kernels the calibration of this model on this machine measured
     fastest (measured on first use, then cached): weights stored column-major where that won
     (:attr:`CostTable.transposed`, :func:`accel.kernels.cpu.transpose_weights`), and packed for the
@@ -157,8 +159,10 @@ def _prepacked(model, prepack: bool | Literal["auto"]):
     from .kernels.cpu import prepack_available, transpose_weights
 
     if prepack == "auto":
+        from .kernels.cpu import packable_dtypes
+
         param = next(model.parameters())
-        if param.device.type != "cpu" or param.dtype != torch.float32:
+        if param.device.type != "cpu" or param.dtype not in {torch.float32, *packable_dtypes()}:
             return model  # no kernel to choose: no need to measure
         from .calibration.calibrate import cost_table
 
@@ -305,9 +309,9 @@ def _load(name_or_path, dtype, device, attn_implementation, prepack, quantize):
         return load_default(dtype=dtype, device=device, attn_implementation=attn_implementation, prepack=prepack)
     if name.lower() in PACKAGED_MODELS:
         model, tokenizer = _load_packaged(name.lower(), dtype, device, attn_implementation)
-        return _prepacked(model, prepack), tokenizer
+        return prepacked(model, prepack), tokenizer
     model, tokenizer = _load_named(name, dtype, device, attn_implementation)
-    return _prepacked(model, prepack), tokenizer
+    return prepacked(model, prepack), tokenizer
 
 
 _SHARED: dict[tuple[str, torch.dtype, str, str | None], tuple[Any, Any]] = {}

@@ -12,8 +12,8 @@ from accel.calibration import calibrate, timing
 from accel.cli import main
 from accel.calibration.cost_model import (CostTable, DraftGuard, acceptance_gains, allocate_drafts, chosen_kernels, in_window,
                                split_rows, static_table, weight_layout)
-from accel.kernels.cpu import PackedLinear, is_prepacked, is_transposed, prepack, prepack_supported
-from accel.models import _prepacked, load_model
+from accel.kernels.cpu import PackedLinear, is_prepacked, is_transposed, packable_dtypes, prepack, prepack_supported
+from accel.models import prepacked, load_model
 from helpers import fake_measure, fake_table as table, make_tiny_model
 
 
@@ -346,9 +346,12 @@ def test_a_real_measurement_on_a_tiny_model(one_thread, packed):
             assert t.ms[0][0] == t.kernel_ms[name][0][0]
     assert t.step_ms(3, 100) > 0
     assert is_prepacked(model) == packed and not is_transposed(model)  # the model is left with the kernels it had
-    # off a float32 CPU model there is no kernel to choose (load_model applies none): plain only
+    # a bf16 model: packed kernels too where this CPU multiplies bf16 natively; float16: plain only
     low = timing.measure(make_tiny_model().to(torch.bfloat16), tokens=(1, 2), cache_lens=(8,), repeats=1)
-    assert set(low.kernel_ms) == {"plain"} and not low.transposed and low.packed_rows is None
+    assert set(low.kernel_ms) == ({"plain", "packed"} if torch.bfloat16 in packable_dtypes() else {"plain"})
+    assert not low.transposed
+    half = timing.measure(make_tiny_model().to(torch.float16), tokens=(1, 2), cache_lens=(8,), repeats=1)
+    assert set(half.kernel_ms) == {"plain"} and not half.transposed and half.packed_rows is None
 
 
 def test_a_burst_of_load_on_one_kernel_does_not_decide_between_kernels(monkeypatch):
@@ -389,7 +392,7 @@ def test_auto_prepack_follows_the_table(calib_cache, monkeypatch, tmp_path, wins
         assert len(windows) <= 1
         return windows.pop() if windows else None
 
-    assert packed_rows(_prepacked(make_tiny_model(), "auto")) == window
+    assert packed_rows(prepacked(make_tiny_model(), "auto")) == window
     folder = tmp_path / "tiny"
     make_tiny_model().save_pretrained(folder)
     model, _ = load_model(folder)  # prepack="auto" by default, reading the cached table now
@@ -399,12 +402,38 @@ def test_auto_prepack_follows_the_table(calib_cache, monkeypatch, tmp_path, wins
     assert not is_prepacked(load_model(folder, prepack=False)[0])
 
 
+@pytest.mark.skipif(torch.bfloat16 not in packable_dtypes(), reason="this CPU has no bf16 instructions for packed kernels")
+@pytest.mark.parametrize("wins, window", [((), None), ((8, 64), (8, None))])
+def test_auto_prepack_packs_bf16_models_and_a_quantized_models_float_layers(calib_cache, monkeypatch, wins, window):
+    monkeypatch.setattr(timing, "measure", fake_measure(packed=wins))
+    model = prepacked(make_tiny_model().to(torch.bfloat16), "auto")
+    windows = {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)}
+    assert windows == (set() if window is None else {window})
+    if window is not None:  # every linear layer, the output layer included; the numbers stay bf16's
+        assert isinstance(model.get_output_embeddings(), PackedLinear)
+        assert not any(type(m) is torch.nn.Linear for m in model.modules())
+        ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 9]])
+        with torch.inference_mode():
+            torch.testing.assert_close(model(ids).logits, make_tiny_model().to(torch.bfloat16)(ids).logits,
+                                       rtol=0.05, atol=0.05)
+    from accel.kernels import lowbit
+
+    if lowbit.kernel_problem("int8") is None:  # quantized: its bf16 output layer is packed, its int8 layers stay
+        def load(dtype, device, prepack, quantize):
+            assert prepack is False  # packing comes after quantizing, on the quantized model's own table
+            return make_tiny_model(), None
+
+        quantized, _ = lowbit.load_quantized(load, quantize="int8", dtype="bfloat16", device="cpu", prepack="auto")
+        assert isinstance(quantized.get_output_embeddings(), PackedLinear) == (window is not None)
+        assert lowbit.quantization_of(quantized).quantized == 2 * 7
+
+
 @pytest.mark.parametrize("transposed_ms, transposed", [(1.0, True), (2.0, False), (3.0, False)])
 def test_auto_kernels_store_weights_transposed_where_that_measured_faster(calib_cache, monkeypatch, transposed_ms,
                                                                           transposed):
     monkeypatch.setattr(timing, "measure", fake_measure(packed=(64,), transposed=transposed_ms))
     reference = make_tiny_model()
-    model = _prepacked(make_tiny_model(), "auto")
+    model = prepacked(make_tiny_model(), "auto")
     assert is_transposed(model) == transposed
     # packed where packing beats the layout chosen: at 64 tokens (1 ms) against plain's and transposed's 1-3 ms
     windows = {(m.min_rows, m.max_rows) for m in model.modules() if isinstance(m, PackedLinear)}
@@ -414,13 +443,18 @@ def test_auto_kernels_store_weights_transposed_where_that_measured_faster(calib_
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
 
 
-def test_auto_prepack_is_off_without_calibration_or_off_a_float32_cpu_model(calib_cache, monkeypatch):
+def test_auto_prepack_is_off_without_calibration_or_off_a_packable_cpu_model(calib_cache, monkeypatch):
     monkeypatch.setattr(timing, "measure", refuse)
-    assert not is_prepacked(_prepacked(make_tiny_model().to(torch.bfloat16), "auto"))  # nothing to decide
+    assert not is_prepacked(prepacked(make_tiny_model().to(torch.float16), "auto"))  # nothing to decide
+    from accel.kernels.cpu import bf16_native, prepack_available
+
+    assert (torch.bfloat16 in packable_dtypes()) == (bf16_native() and prepack_available(torch.bfloat16))
+    if torch.bfloat16 not in packable_dtypes():
+        assert not is_prepacked(prepacked(make_tiny_model().to(torch.bfloat16), "auto"))
     monkeypatch.setenv("ACCEL_CALIBRATION", "off")
-    assert not is_prepacked(_prepacked(make_tiny_model(), "auto"))
+    assert not is_prepacked(prepacked(make_tiny_model(), "auto"))
     with pytest.raises(ValueError):
-        _prepacked(make_tiny_model(), "yes")
+        prepacked(make_tiny_model(), "yes")
 
 
 def test_cli_calibrate_prints_the_table_and_where_it_is_cached(calib_cache, monkeypatch, tmp_path, capsys):
@@ -677,7 +711,7 @@ def test_auto_prepack_applies_the_split_window_of_the_table(calib_cache, monkeyp
 
     monkeypatch.setattr(timing, "measure", fake_measure(packed=(1, 8, 64), split=split))
     reference = make_tiny_model()
-    model = _prepacked(make_tiny_model(), "auto")
+    model = prepacked(make_tiny_model(), "auto")
     assert model_split_rows(model) == expected
     assert step_costs(model) == calibrate.cost_table(model)  # it runs the kernels measured fastest
     if expected:  # drafts are sized by the kernels a model runs: without the split window, packed ones

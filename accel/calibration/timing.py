@@ -22,7 +22,7 @@ import torch
 from .. import adapter
 from ..cache import SharedCache
 from .cost_model import KERNELS, CostTable, chosen_kernels, monotone, packed_rows, split_rows, weight_layout
-from ..kernels.cpu import (PackedLinear, is_prepacked, is_transposed, prepack, prepack_available, transpose_weights, unprepack,
+from ..kernels.cpu import (PackedLinear, is_prepacked, is_transposed, packable_dtypes, prepack, prepack_available, transpose_weights, unprepack,
                   untranspose_weights)
 
 __all__ = ["DEFAULT_CACHE_LENS", "DEFAULT_TOKENS", "filled_cache", "linear_kernels",
@@ -145,7 +145,9 @@ def measure(
 
     Every point of the grid ``tokens`` x ``cache_lens`` is timed with each linear kernel of
     :func:`linear_kernels` the model can run (on a float32 CPU model: plain, transposed, and
-    packed and split where :func:`accel.kernels.cpu.prepack_available`; elsewhere plain only), in
+    packed and split where :func:`accel.kernels.cpu.prepack_available`; on a bf16 CPU model (a
+    quantized one's bf16 output layer included) plain and packed where
+    :func:`accel.kernels.cpu.packable_dtypes` has bf16; elsewhere plain only), in
     alternating rounds so that all see the same machine load. The weight layout
     (:func:`accel.calibration.cost_model.weight_layout`), the window where packed kernels beat it
     (:func:`accel.calibration.cost_model.packed_rows`) and the passes where split ones beat both
@@ -172,6 +174,8 @@ def measure(
         names.append("transposed")
         if prepack_available():
             names += ["packed", "split"]  # (the split kernel runs inside packed layers)
+    elif param.device.type == "cpu" and param.dtype in packable_dtypes():  # bf16 on a CPU with bf16 instructions
+        names.append("packed")
     points = [(c, t) for c in range(len(caches)) for t in range(len(tokens))]
     samples: dict[str, dict] = {name: {p: [] for p in points} for name in names}
     with linear_kernels(model) as use:

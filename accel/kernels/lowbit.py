@@ -489,8 +489,10 @@ def load_quantized(load, *args, quantize, dtype, device, prepack="auto", **kwarg
     """``load(*args, dtype=dtype, device=device, quantize=None, **kwargs)``
     (``accel.models.load_model`` or ``load_default``), then :func:`quantize_model`; the
     bad-input checks (the quantization's name, the CPU kernel) come first, before anything is
-    loaded. ``prepack`` (oneDNN packing of float32 layers) applies only without a
-    quantization (``quantize="none"``). Returns ``(model, tokenizer)``."""
+    loaded. ``prepack`` (oneDNN packing, :func:`accel.models.prepacked`) applies to the layers
+    the quantization leaves in their float dtype (the output layer unless ``lm_head=true``),
+    after quantizing: with ``"auto"`` the quantized model's calibration decides. Returns
+    ``(model, tokenizer)``."""
     from ..dtypes import as_dtype
 
     q = as_quantization(quantize)
@@ -501,5 +503,7 @@ def load_quantized(load, *args, quantize, dtype, device, prepack="auto", **kwarg
         problem = kernel_problem(q.scheme)
         if problem is not None:
             raise ValueError(problem)
+    from ..models import prepacked
+
     model, tokenizer = load(*args, dtype=dtype, device=device, prepack=False, quantize=None, **kwargs)
-    return quantize_model(model, q, compute_dtype(dtype, device)), tokenizer
+    return prepacked(quantize_model(model, q, compute_dtype(dtype, device)), prepack), tokenizer
