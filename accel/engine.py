@@ -294,7 +294,7 @@ class Batch:
         self.cache.kv_align = invariance.kv_align(model)
         self.cache.ordered = invariance.ordered(model)
         self.rows: list[Row] = []
-        self._padding: tuple[int, int] | None = None
+        self._min_nodes: int | None = None
         self.exact = invariance.is_exact(model)  # greedy drafting claimed exact (float32; bf16 with ordered attention)
         # prompts may reuse stored prefixes (accel.serving.prefix): a store, float32, full attention
         self._prefix_model = (prefixes is not None and self.geo.dtype == torch.float32
@@ -302,19 +302,13 @@ class Batch:
         self.guard: DraftGuard | None = None  # this step's (see draft_guard): set when it may draft, measured tables only
 
     @property
-    def padding(self) -> tuple[int, int]:
-        """(min_nodes, min_total): every row's tree is padded to a multiple of the first many
-        query tokens per step, and a step to at least the second in all, so that each row's
-        arithmetic is the same whatever the trees around it (measured on first use, see
-        :func:`accel.kernels.invariance.verify_padding`; ``(1, 1)`` in float32)."""
-        if self._padding is None:
-            self._padding = invariance.verify_padding(self.model)
-        return self._padding
-
-    @property
     def min_nodes(self) -> int:
-        """Every row's tree is padded to a multiple of this many query tokens (:attr:`padding`)."""
-        return self.padding[0]
+        """Every row's tree is padded to a multiple of this many query tokens per step, so
+        that its arithmetic is the same whatever the trees around it (measured on first use,
+        see :mod:`accel.kernels.invariance`; 1 in float32)."""
+        if self._min_nodes is None:
+            self._min_nodes = invariance.verify_rows(self.model)
+        return self._min_nodes
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -480,7 +474,7 @@ class Batch:
         states: dict[int, torch.Tensor] = {}
         with tap, adapter.capture_layer_states(self.model, self.cache, self._feature_layers(rows), states):
             hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
-                                           *self.padding)
+                                           self.min_nodes)
         counts = [tree.num_nodes for tree in trees]
         greedy = [row.warp is None for row in rows]
         top = logits.argmax(dim=-1).tolist() if any(greedy) else None

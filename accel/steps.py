@@ -186,7 +186,7 @@ def _prompt_rows(prompts) -> list[torch.Tensor]:
 
 
 def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype,
-           groups: int | None = None, min_nodes: int = 1, min_total: int = 1) -> torch.Tensor:
+           groups: int | None = None, min_nodes: int = 1) -> torch.Tensor:
     """One forward pass over every row's [root + draft nodes] on top of the cache.
 
     trees: one DraftTree per cache row (a single tree for a one-row cache).
@@ -196,17 +196,14 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
         number of rows they get (and a row's by where it falls in their tiles), so
         :mod:`accel.kernels.invariance` measures the multiple that makes a plain step compute each
         row exactly as a tree does.
-    min_total: pad every row so that the forward has at least this many query tokens in all
-        (B * T; where the kernels' arithmetic differs only below a row count, such as a lone
-        row's matrix-vector product, this is all they need, and a batch needs no padding).
-    Returns final hidden states [B, T, H] (T the largest tree rounded up to ``min_nodes``, and
-    to at least ``min_total / B``; a single tree: [N+1, H]); the new entries stay uncommitted.
+    Returns final hidden states [B, T, H] (T the largest tree rounded up to ``min_nodes``; a
+    single tree: [N+1, H]); the new entries stay uncommitted.
     """
     single = isinstance(trees, DraftTree)
     trees = [trees] if single else list(trees)
     device = trees[0].tokens.device
+    t = round_up(max(tree.num_nodes for tree in trees), min_nodes)
     bsz = len(trees)
-    t = max(round_up(max(tree.num_nodes for tree in trees), min_nodes), -(-min_total // bsz))
     # tokens appended since the last commit (a chain fed forward by forward) come first
     logical = [n + cache.pending_entries for n in cache.logical_lengths]
     if t == 1:
@@ -295,20 +292,19 @@ def prefill_rest_steps(model, cache: SharedCache, prompts: Sequence[torch.Tensor
 
 
 def verify_logits(model, cache: SharedCache, trees: Sequence[DraftTree], dtype: torch.dtype,
-                  groups: int | None = None, min_nodes: int = 1, min_total: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify` for every row, then the output head over each row's real nodes (padded,
-    like the forward, to a multiple of ``min_nodes`` and at least ``min_total`` rows).
+                  groups: int | None = None, min_nodes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for every row, then the output head over each row's real nodes.
 
     Returns (hidden [B, T, H], float32 logits [sum_b N_b, V]: row b's nodes in order, rows
     one after another). One call computes every row's logits in one pass of the output layer.
     """
-    hidden = verify(model, cache, trees, dtype, groups, min_nodes, min_total)
+    hidden = verify(model, cache, trees, dtype, groups, min_nodes)
     counts = [tree.num_nodes for tree in trees]
     if all(c == hidden.shape[1] for c in counts):
         flat = hidden.reshape(-1, hidden.shape[-1])
     else:
         flat = torch.cat([hidden[b, :c] for b, c in enumerate(counts)])
-    pad = max(round_up(flat.shape[0], min_nodes), min_total) - flat.shape[0]  # the output layer is a linear too
+    pad = round_up(flat.shape[0], min_nodes) - flat.shape[0]  # the output layer is a linear too
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad, flat.shape[1])])
     return hidden, adapter.output_logits(model, flat)[: sum(counts)]

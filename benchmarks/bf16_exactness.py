@@ -35,13 +35,13 @@ from speculative.train import held_out_prompts  # noqa: E402
 def unpadded():
     """accel without its low-precision measures: sdpa attention (not accel.kernels.ordered), rows x1,
     columns unaligned."""
-    real = invariance.verify_padding, invariance.kv_align, invariance.ordered
-    invariance.verify_padding, invariance.kv_align = (lambda model, candidates=None: (1, 1)), (lambda model: 1)
+    real = invariance.verify_rows, invariance.kv_align, invariance.ordered
+    invariance.verify_rows, invariance.kv_align = (lambda model, candidates=None: 1), (lambda model: 1)
     invariance.ordered = lambda model: False
     try:
         yield
     finally:
-        invariance.verify_padding, invariance.kv_align, invariance.ordered = real
+        invariance.verify_rows, invariance.kv_align, invariance.ordered = real
 
 
 def agreement(model, tok, prompts: list[str], new: int, padded: bool) -> None:
@@ -90,11 +90,10 @@ def main() -> None:
     parser.add_argument("--unpadded", action="store_true", help="agreement without accel.kernels.invariance's padding")
     args = parser.parse_args()
     model, tok = load_default(dtype=torch.bfloat16)
-    rows, total = invariance.verify_padding(model)  # probed once, before anything is timed
+    rows = invariance.verify_rows(model)  # probed once, before anything is timed
     attention = "ordered attention" if invariance.ordered(model) else "sdpa"
-    chose = f"a multiple of {rows} tokens per row" if rows > 1 else f"at least {total} tokens per forward"
-    setting = (f"{attention}, padded to {chose} and {invariance.kv_align(model)} columns"
-               if not args.unpadded else f"sdpa, unpadded (the probe chose {chose})")
+    setting = (f"{attention}, padded to a multiple of {rows} rows and {invariance.kv_align(model)} columns"
+               if not args.unpadded else f"sdpa, unpadded (the probe chose {rows} rows)")
     print(f"{cpu_model()}, torch {torch.__version__}, {torch.get_num_threads()} threads; bf16 verify {setting}",
           flush=True)
     if args.mode == "cost":

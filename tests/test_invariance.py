@@ -56,49 +56,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:accel. .* verification of .* is 
 
 def test_probe_picks_the_row_count_past_a_kernels_threshold():
     base = _bf16()
-    r0, t0 = invariance.verify_padding(copy.deepcopy(base))  # what the real kernels need here
+    r0 = invariance.verify_rows(copy.deepcopy(base))  # what the real kernels need here
     # below 8 rows the fake kernel sums in "another order"
     fake = _row_count_kernel(copy.deepcopy(base), lambda rows: 0.0625 if rows < 8 else 0.0)
-    assert not invariance.probe(fake, 4) and not invariance.probe(fake, 4, total=True)
-    assert invariance.probe(fake, 8, total=True) == invariance.probe(copy.deepcopy(base), 8, total=True)
-    rows, total = invariance.verify_padding(fake)
-    assert max(rows, total) == max(r0, t0, 8)
-    if r0 == 1:  # a threshold: padding a forward to 8 tokens in all is enough, rows stay unpadded
-        assert (rows, total) == (1, max(t0, 8))
-
-
-def test_probe_pads_every_row_where_the_kernel_tiles_rows():
-    base = _bf16()
-    r0, t0 = invariance.verify_padding(copy.deepcopy(base))
-    # the fake kernel sums rows past a multiple of 4 in "another order": a forward of 6 or 9
-    # tokens differs from one of 4, so only every row padded to a multiple of 4 agrees
-    fake = _row_count_kernel(copy.deepcopy(base), lambda rows: 0.0625 if rows % 4 else 0.0)
-    assert not invariance.probe(fake, 4, total=True) and not invariance.probe(fake, 8, total=True)
-    rows, total = invariance.verify_padding(fake)
-    assert total == 1 and rows % 4 == 0 and rows >= max(r0, t0)
-    assert invariance.verify_rows(fake) == rows
-
-
-def test_min_total_pads_a_forward_not_its_rows():
-    model = _bf16()
-    geo = adapter.geometry(model)
-    groups = geo.num_heads // geo.num_kv_heads
-    seen = []
-    model.get_output_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape[0]))
-    with torch.inference_mode(), adapter.packed_gqa_attention(model):
-        for rows, nodes, min_nodes, min_total, want_t, want_out in (
-                (1, 1, 1, 4, 4, 4), (3, 1, 1, 4, 2, 4), (8, 1, 1, 4, 1, 8), (2, 3, 1, 4, 3, 6), (2, 3, 2, 1, 4, 6)):
-            cache = SharedCache(geo.num_layers)
-            cache.ordered = invariance.ordered(model)
-            for _ in range(rows):
-                one = SharedCache(geo.num_layers)
-                prefill(model, one, repetitive_prompt(1, 9))
-                cache.extend(one)
-            trees = [DraftTree.chain(3, [4] * (nodes - 1)) for _ in range(rows)]
-            seen.clear()
-            hidden, logits = verify_logits(model, cache, trees, geo.dtype, groups, min_nodes, min_total)
-            assert hidden.shape[:2] == (rows, want_t) and logits.shape[0] == rows * nodes
-            assert seen[-1] == want_out  # the output layer's rows, padded alike
+    assert not invariance.probe(fake, 4)
+    assert invariance.verify_rows(fake) == max(r0, 8)
 
 
 @pytest.mark.filterwarnings("default")
@@ -154,10 +116,9 @@ def test_bf16_batch_is_ordered_and_padded(monkeypatch):
     model = _bf16()
     batch = Batch(model)
     assert batch.cache.ordered and batch.cache.kv_align == 1 and batch.exact
-    # the batch pads as the probe found invariant, and so padded the probe passes
-    rows, total = batch.padding
-    assert (rows, total) == invariance.verify_padding(model) and batch.min_nodes == rows
-    assert invariance.probe(model, max(rows, total), batch.cache.kv_align, total=total > 1)
+    # the batch pads to the row count the probe found invariant, and at that count the probe passes
+    assert batch.min_nodes == invariance.verify_rows(model)
+    assert invariance.probe(model, batch.min_nodes, batch.cache.kv_align)
     monkeypatch.setattr(invariance, "_ordered_probe", lambda head_dim, groups: False)
     batch = Batch(_bf16())  # without ordered attention: sdpa on aligned columns, approximate
     assert not batch.cache.ordered and batch.cache.kv_align == invariance.KV_ALIGN and not batch.exact
@@ -194,7 +155,7 @@ def test_bf16_logits_of_any_tree_equal_plain_steps_bit_for_bit(gather, monkeypat
     monkeypatch.setattr(ordered, "GATHER", gather)
     model = _bf16(seed=7)
     geo = adapter.geometry(model)
-    padding = invariance.verify_padding(model)
+    rows = invariance.verify_rows(model)
     groups = geo.num_heads // geo.num_kv_heads
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, TINY_VOCAB, (n,), generator=gen) for n in (60, 41, 13)]
@@ -212,7 +173,7 @@ def test_bf16_logits_of_any_tree_equal_plain_steps_bit_for_bit(gather, monkeypat
         cache = cache_of([prompts[0]])
         toks, plain = [5], []
         for _ in range(7):
-            _, logits = verify_logits(model, cache, [DraftTree.root_only(toks[-1])], geo.dtype, groups, *padding)
+            _, logits = verify_logits(model, cache, [DraftTree.root_only(toks[-1])], geo.dtype, groups, rows)
             plain.append(logits[0])
             toks.append(int(logits[0].argmax()))
             cache.commit([[0]])
@@ -220,7 +181,7 @@ def test_bf16_logits_of_any_tree_equal_plain_steps_bit_for_bit(gather, monkeypat
         tree = DraftTree.from_proposal(toks[0], DraftProposal(
             torch.cat([torch.tensor(toks[1:7]), extra]), torch.tensor(list(range(6)) + [0, 1, 2, 2, 3, 0, 4, 5, 1])))
         others = [DraftTree.chain(3, extra[:4].tolist()), DraftTree.root_only(8)]
-        _, logits = verify_logits(model, cache_of(prompts), [tree, *others], geo.dtype, groups, *padding)
+        _, logits = verify_logits(model, cache_of(prompts), [tree, *others], geo.dtype, groups, rows)
     assert all(torch.equal(logits[i], plain[i]) for i in range(7))
 
 

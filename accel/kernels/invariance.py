@@ -18,22 +18,15 @@ greedy tokens. Two measures, in low precision:
   makes the last partial block of keys the same for every row but cannot fix where a node's
   key sits (on an Intel Xeon, Ice Lake, a Medusa tree differed on 1 of 40 prompts that way;
   on the Xeon of family 6 model 207 the probe failed at every row count).
-- **Linear layers**: where the kernels' arithmetic changes only below a row count ``r`` (a lone
-  row's matrix-vector product), a verify pass with fewer than ``r`` query tokens in all is
-  padded up to ``r`` (``steps.verify(..., min_total=r)``: a one-row plain step runs 2 tokens
-  where ``r = 2``, a batch of 8 runs unpadded); where they tile rows (a row's numbers depend on
-  where it falls in a tile), every row's tree is padded to a multiple of ``r`` query tokens
-  (``min_nodes=r``). Padding sees only itself and is dropped at commit; the output layer's rows
-  are padded alike. Measured: on the Ice Lake Xeon a bfloat16 ``F.linear`` gave one result
-  per row for 1, for 2-3 and for 4 or more rows; on the model 207 Xeon a ``down_proj`` of one
-  row differed from the same row among two or more; on an AMD EPYC Zen 4 (avx512_bf16) a
-  forward of at least 2 tokens in all passed, in bf16 and with int4 weights, which made a
-  batch-8 plain step 1.33x (bf16) and 1.42x (int4) faster than padding every row to 2
-  (``python benchmarks/step_profile.py --batch 1 8 --dtype bfloat16 [--quantize int4]``).
+- **Linear layers**: a verify pass pads every row's tree to a multiple of ``r`` query tokens
+  (padding sees only itself and is dropped at commit), and the output layer gets a multiple
+  of ``r`` rows (``steps.verify(..., min_nodes=r)``). Measured: on the Ice Lake Xeon a
+  bfloat16 ``F.linear`` gave one result per row for 1, for 2-3 and for 4 or more rows; on the
+  model 207 Xeon a ``down_proj`` of one row differed from the same row among two or more.
 
 The thresholds are the kernels' and differ between CPUs and builds, so ``r`` is measured, not
-fixed: :func:`verify_padding` probes the candidates (for each ``r``, the whole forward padded to
-``r`` first, then every row) once per model, dtype and thread count in a process (:func:`probe`: plain steps against chains inside trees of 6 to 32 nodes, with and
+fixed: :func:`verify_rows` probes the candidates once per model, dtype and thread count in a
+process (:func:`probe`: plain steps against chains inside trees of 6 to 32 nodes, with and
 without siblings between the chain's nodes, and next to other rows; about forty short
 forwards per candidate, a few seconds for the default model in bfloat16). Float32 runs
 unpadded on sdpa (``r = 1``, what ``model.generate`` computes, so plain accel still equals it
@@ -69,7 +62,7 @@ from .lowbit import quantization_of
 from ..strategy import DraftProposal
 from ..tree import DraftTree
 
-__all__ = ["CANDIDATES", "KV_ALIGN", "probe", "verify_padding", "verify_rows", "kv_align", "is_exact"]
+__all__ = ["CANDIDATES", "KV_ALIGN", "probe", "verify_rows", "kv_align", "is_exact"]
 
 #: Row counts tried, smallest first.
 CANDIDATES = (1, 2, 4, 8, 16)
@@ -82,7 +75,7 @@ _EXTRA = (0, 3, 11, 26)  # garbage nodes hung below the chain: trees of 6, 9, 17
 #: ``SharedCache.kv_align``).
 KV_ALIGN = 64
 
-_memo: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, tuple[int, int, bool]]]" = weakref.WeakKeyDictionary()
+_memo: "weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple, tuple[int, bool]]]" = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 
 
@@ -100,10 +93,8 @@ def _garbage(n: int, vocab: int) -> list[int]:
     return [(7919 * i + 13) % vocab for i in range(n)]
 
 
-def probe(model, rows: int, align: int = KV_ALIGN, prompts: Sequence[torch.Tensor] | None = None,
-          total: bool = False) -> bool:
-    """Whether verify passes padded to a multiple of ``rows`` query tokens per row (``total``:
-    padded only up to ``rows`` query tokens in all, ``steps.verify``'s ``min_total``), on a
+def probe(model, rows: int, align: int = KV_ALIGN, prompts: Sequence[torch.Tensor] | None = None) -> bool:
+    """Whether verify passes padded to a multiple of ``rows`` query tokens per row, on a
     cache whose attention columns are aligned to ``align``, are batch-invariant for
     ``model`` on this machine: a row's logits are bit for bit the same whether it is verified
     one token at a time, as a chain inside trees of 6 to 32 nodes (its nodes first, then
@@ -117,11 +108,10 @@ def probe(model, rows: int, align: int = KV_ALIGN, prompts: Sequence[torch.Tenso
         prompts = [torch.randint(0, vocab, (n,), generator=gen).to(geo.device) for n in _PROMPTS]
     prompts = list(prompts)
     with adapter.packed_gqa_attention(model), torch.inference_mode():
-        return all(_probe_row(model, geo, vocab, (1, rows) if total else (rows, 1), align, prompts[i:] + prompts[:i])
-                   for i in range(len(prompts)))
+        return all(_probe_row(model, geo, vocab, rows, align, prompts[i:] + prompts[:i]) for i in range(len(prompts)))
 
 
-def _probe_row(model, geo, vocab: int, padding: tuple[int, int], align: int, prompts: list[torch.Tensor]) -> bool:
+def _probe_row(model, geo, vocab: int, rows: int, align: int, prompts: list[torch.Tensor]) -> bool:
     from ..steps import verify_logits
 
     groups = geo.num_heads // geo.num_kv_heads
@@ -131,13 +121,13 @@ def _probe_row(model, geo, vocab: int, padding: tuple[int, int], align: int, pro
         cache, _ = _fresh(model, geo, p0, align)
         for p in prompts[1 : len(trees)]:
             cache.extend(_fresh(model, geo, p, align)[0])
-        return verify_logits(model, cache, trees, geo.dtype, groups, *padding)[1]
+        return verify_logits(model, cache, trees, geo.dtype, groups, rows)[1]
 
     cache, tok = _fresh(model, geo, p0, align)
     toks, plain = [tok], []
     for _ in range(_STEPS):  # row 0 alone, plain steps
         _, logits = verify_logits(model, cache, [DraftTree.root_only(toks[-1], device=geo.device)], geo.dtype,
-                                  groups, *padding)
+                                  groups, rows)
         plain.append(logits[0])
         toks.append(int(logits[0].argmax()))
         cache.commit([[0]])
@@ -174,41 +164,21 @@ def _probe_row(model, geo, vocab: int, padding: tuple[int, int], align: int, pro
     return all(torch.equal(logits[at[i]], plain[i]) for i in range(_STEPS))
 
 
-def verify_padding(model, candidates: Sequence[int] = CANDIDATES) -> tuple[int, int]:
-    """How a verify pass pads its query tokens so that drafts agree with plain decoding of
-    ``model``: (a multiple of tokens per row, a least number of tokens in all), the
-    ``min_nodes`` and ``min_total`` of :func:`accel.steps.verify`. ``(1, 1)`` in float32;
-    otherwise, for the smallest of ``candidates`` r that :func:`probe` finds invariant, ``(1, r)``
-    where padding the whole forward to r tokens is enough (kernels whose arithmetic changes
-    only below a row count, as a lone row's matrix-vector product; a batch of r rows or more is
-    then not padded at all), else ``(r, 1)``. ``(1, 1)`` where no candidate passes. Measured once
-    per model, dtype and thread count in a process, with one warning where low-precision
-    verification is approximate (:func:`is_exact`)."""
-    rows, total, _ = _probed(model, tuple(candidates))
-    return rows, total
-
-
 def verify_rows(model, candidates: Sequence[int] = CANDIDATES) -> int:
-    """The multiple of query tokens per row a verify pass pads to (:func:`verify_padding`'s
-    first figure: 1 where padding the whole forward to a few tokens is enough)."""
+    """The multiple of query tokens per row a verify pass pads to, so that drafts agree with
+    plain decoding of ``model``: 1 in float32; otherwise the smallest of ``candidates`` that
+    :func:`probe` finds invariant (1 where none is), measured once per model, dtype and
+    thread count in a process, with one warning where low-precision verification is
+    approximate (:func:`is_exact`)."""
     return _probed(model, tuple(candidates))[0]
 
 
-def _padding_candidates(candidates: tuple[int, ...]):
-    """(rows, total) pairs to probe, the cheapest first: for each r, padding the forward to r
-    tokens in all before padding every row to a multiple of r."""
-    for r in candidates:
-        if r > 1:
-            yield 1, r
-        yield r, 1
-
-
-def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, int, bool]:
-    """(rows multiple, least total, whether some candidate passed the probe), measured once per
-    model, dtype, device and thread count; warns once where the result is approximate."""
+def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, bool]:
+    """(rows to pad to, whether some candidate passed the probe), measured once per model,
+    dtype, device and thread count; warns once where the result is approximate."""
     geo = adapter.geometry(model)
     if geo.dtype == torch.float32:
-        return 1, 1, True
+        return 1, True
     quant = quantization_of(model)
     # a model quantized in place after a probe runs other kernels: probed again
     # ... and a compiled step (accel.kernels.compiled) runs its own kernels: probed through it
@@ -219,11 +189,8 @@ def _probed(model, candidates: tuple[int, ...] = CANDIDATES) -> tuple[int, int, 
         if key in known:
             return known[key]
         use_ordered = ordered(model)
-        align = kv_align(model)
-        passed = next(((r, t) for r, t in _padding_candidates(candidates)
-                       if probe(model, max(r, t), align, total=t > 1)), None)
-        known[key] = (*(passed or (1, 1)), passed is not None)
-        full = None if passed is None else max(passed)
+        full = next((r for r in candidates if probe(model, r, kv_align(model))), None)
+        known[key] = (full or 1, full is not None)
         windows = any(w is not None for w in adapter.layer_windows(model))
         if full is None:
             why = f"none of {list(candidates)} query rows per step gave bit-identical logits on this machine"
@@ -283,7 +250,7 @@ def is_exact(model) -> bool:
         return True
     if not ordered(model) or any(w is not None for w in adapter.layer_windows(model)):
         return False
-    return _probed(model)[2]
+    return _probed(model)[1]
 
 
 def _main() -> None:  # python -m accel.kernels.invariance [dtype | int8 | int4]: which row counts are invariant here
