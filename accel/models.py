@@ -138,7 +138,7 @@ def load_default(
         from .kernels.lowbit import load_quantized
 
         return load_quantized(load_default, quantize=quantize, dtype=dtype, device=device,
-                              attn_implementation=attn_implementation, prepack=prepack)
+                              attn_implementation=attn_implementation, prepack=prepack, pack=prepacked)
     dtype = as_dtype(dtype)
     gguf = default_gguf_path()
     model, tokenizer = _load_converted(gguf, default_checkpoint_dir(), DEFAULT_MODEL_NAME, dtype, device, attn_implementation)
@@ -302,7 +302,7 @@ def _load(name_or_path, dtype, device, attn_implementation, prepack, quantize):
         from .kernels.lowbit import load_quantized
 
         return load_quantized(load_model, name_or_path, quantize=quantize, dtype=dtype, device=device,
-                              attn_implementation=attn_implementation, prepack=prepack)
+                              attn_implementation=attn_implementation, prepack=prepack, pack=prepacked)
     name = os.fspath(name_or_path)
     dtype = as_dtype(dtype)
     if name == "default":

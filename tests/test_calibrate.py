@@ -423,7 +423,8 @@ def test_auto_prepack_packs_bf16_models_and_a_quantized_models_float_layers(cali
             assert prepack is False  # packing comes after quantizing, on the quantized model's own table
             return make_tiny_model(), None
 
-        quantized, _ = lowbit.load_quantized(load, quantize="int8", dtype="bfloat16", device="cpu", prepack="auto")
+        quantized, _ = lowbit.load_quantized(load, quantize="int8", dtype="bfloat16", device="cpu", prepack="auto",
+                                              pack=prepacked)
         assert isinstance(quantized.get_output_embeddings(), PackedLinear) == (window is not None)
         assert lowbit.quantization_of(quantized).quantized == 2 * 7
 

@@ -485,13 +485,14 @@ def _torchao_quantize(model: nn.Module, q: Quantization, dtype: torch.dtype) -> 
     return model
 
 
-def load_quantized(load, *args, quantize, dtype, device, prepack="auto", **kwargs):
+def load_quantized(load, *args, quantize, dtype, device, prepack="auto", pack=None, **kwargs):
     """``load(*args, dtype=dtype, device=device, quantize=None, **kwargs)``
     (``accel.models.load_model`` or ``load_default``), then :func:`quantize_model`; the
     bad-input checks (the quantization's name, the CPU kernel) come first, before anything is
     loaded. ``prepack`` (oneDNN packing, :func:`accel.models.prepacked`) applies to the layers
     the quantization leaves in their float dtype (the output layer unless ``lm_head=true``),
-    after quantizing: with ``"auto"`` the quantized model's calibration decides. Returns
+    after quantizing, through ``pack(model, prepack)`` (the loader's packing function; None: no
+    packing): with ``"auto"`` the quantized model's calibration decides. Returns
     ``(model, tokenizer)``."""
     from ..dtypes import as_dtype
 
@@ -503,7 +504,6 @@ def load_quantized(load, *args, quantize, dtype, device, prepack="auto", **kwarg
         problem = kernel_problem(q.scheme)
         if problem is not None:
             raise ValueError(problem)
-    from ..models import prepacked
-
     model, tokenizer = load(*args, dtype=dtype, device=device, prepack=False, quantize=None, **kwargs)
-    return prepacked(quantize_model(model, q, compute_dtype(dtype, device)), prepack), tokenizer
+    model = quantize_model(model, q, compute_dtype(dtype, device))
+    return (model if pack is None else pack(model, prepack)), tokenizer
