@@ -156,11 +156,9 @@ def prepacked(model, prepack: bool | Literal["auto"]):
     both (:attr:`CostTable.split_rows`; only inside packed layers). With
     ``ACCEL_CALIBRATION=off`` the model is left as loaded."""
     from .kernels.cpu import prepack as _prepack
-    from .kernels.cpu import prepack_available, transpose_weights
+    from .kernels.cpu import packable_dtypes, prepack_available, transpose_weights
 
     if prepack == "auto":
-        from .kernels.cpu import packable_dtypes
-
         param = next(model.parameters())
         if param.device.type != "cpu" or param.dtype not in {torch.float32, *packable_dtypes()}:
             return model  # no kernel to choose: no need to measure
