@@ -38,6 +38,7 @@ __all__ = [
     "check_causal_lm",
     "geometry",
     "backbone_forward",
+    "replace_embeddings",
     "output_logits",
     "make_warpers",
     "QueryLayout",
@@ -569,6 +570,31 @@ def _at_positions(hidden: torch.Tensor, pos_emb: Any, idx: torch.Tensor) -> tupl
     if pos_emb is not None:
         pos_emb = tuple(_take_rows(p, idx) if p.shape[0] == hidden.shape[0] else p[:, idx[0]] for p in pos_emb)
     return hidden, pos_emb
+
+
+@contextmanager
+def replace_embeddings(model: PreTrainedModel, where: torch.Tensor | None, vectors: torch.Tensor | None) -> Iterator[None]:
+    """While active, a forward's input embeddings [B, T, H] take ``vectors`` [n, H] at the n
+    places where ``where`` [B, T] (bool) is True, in row-major order: what PaSS's look-ahead
+    positions feed instead of a token's embedding. ``where`` None: nothing changes. The
+    forward hook makes compiled steps step aside (:func:`has_hooks`). Removed on exit."""
+    if where is None or not bool(where.any()):
+        yield
+        return
+    embed = model.get_input_embeddings()
+
+    def swap(_module, _args, out):
+        if out.shape[:2] != where.shape:  # another forward (a drafter's own) passes through
+            return out
+        out = out.clone()
+        out[where] = vectors.to(dtype=out.dtype, device=out.device)
+        return out
+
+    handle = embed.register_forward_hook(swap)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 @contextmanager

@@ -31,8 +31,9 @@ from .cache import SharedCache
 from .drafting import draft_rows, drafter_feedback, start_rows
 from .serving.prefix import PrefixStore, common_prefix, shared_prefix
 from .calibration.cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, sharing_pays
-from .steps import PrefillSteps, Warp, accept, commit, exhaust, prefill_rest_steps, prefill_steps, verify_logits
-from .strategy import DraftContext, Plan, plan_strategies
+from .steps import (PrefillSteps, Warp, accept, chain_anchors, commit, exhaust, lookahead_columns, prefill_rest_steps,
+                    prefill_steps, verify_logits)
+from .strategy import DraftContext, Drafter, Lookahead, Plan, plan_strategies
 from .tree import DraftTree
 
 # Plan and plan_strategies live in accel.strategy; importable from here too.
@@ -456,6 +457,7 @@ class Batch:
         lengths = list(self.cache.logical_lengths)
         budgets = [row.upkeep.draft_room(n, k) if row.upkeep is not None else k
                    for row, n, k in zip(rows, lengths, self.budgets())]  # no step verifies past a cache change
+        looks = [_lookahead(row, budget) if row.error is None else None for row, budget in zip(rows, budgets)]
         ctxs = [DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
                              generator=row.generator, features=row.features) for row, budget in zip(rows, budgets)]
         for row, budget in zip(rows, budgets):
@@ -473,8 +475,10 @@ class Batch:
             else contextlib.nullcontext()
         states: dict[int, torch.Tensor] = {}
         with tap, adapter.capture_layer_states(self.model, self.cache, self._feature_layers(rows), states):
+            anchors = [chain_anchors(tree, lk[1].anchors) if lk is not None else None for tree, lk in zip(trees, looks)]
             hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
-                                           self.min_nodes)
+                                           self.min_nodes, [(a, lk[1].vectors) if lk is not None else None
+                                                            for a, lk in zip(anchors, looks)])
         counts = [tree.num_nodes for tree in trees]
         greedy = [row.warp is None for row in rows]
         top = logits.argmax(dim=-1).tolist() if any(greedy) else None
@@ -486,6 +490,8 @@ class Batch:
             accs.append(acc)
             start = end
         commit(self.cache, accs)
+        if any(lk is not None for lk in looks):
+            self._read_lookahead(rows, trees, looks, anchors, accs, hidden)
         if states:
             _hand_features(rows, states, [(b, torch.tensor(acc.path)) for b, acc in enumerate(accs)])
         elapsed = time.perf_counter() - t0
@@ -527,6 +533,31 @@ class Batch:
                 row.stats.decode_s += upkeep_s
         return out
 
+    def _read_lookahead(self, rows: Sequence[Row], trees: list[DraftTree], looks: list, anchors: list,
+                        accs: list[Acceptance], hidden: torch.Tensor) -> None:
+        """Hand each look-ahead drafter the output logits [L, V] at the copy after the anchor
+        its row's accepted path ended at (None where it ended elsewhere), every row's in one
+        pass of the output layer."""
+        wanted: list[tuple[int, int, slice]] = []
+        for b, (tree, lk, acc) in enumerate(zip(trees, looks, accs)):
+            if lk is not None and acc.path[-1] in anchors[b]:
+                wanted.append((b, lk[0], lookahead_columns(tree, anchors[b].index(acc.path[-1]), len(lk[1]))))
+        logits = adapter.output_logits(self.model, torch.cat([hidden[b, cols] for b, _, cols in wanted])) \
+            if wanted else None
+        got: dict[int, torch.Tensor] = {}
+        start = 0
+        for b, _, cols in wanted:
+            size = cols.stop - cols.start
+            got[b] = logits[start : start + size]
+            start += size
+        for b, (row, lk) in enumerate(zip(rows, looks)):
+            if lk is None:
+                continue
+            try:
+                row.plan.drafters[lk[0]].read_lookahead(row.states[lk[0]], got.get(b))
+            except Exception as err:  # noqa: BLE001 - the drafter's failure is its row's
+                row.error = row.error or err
+
     def _judge(self, trees: list[DraftTree], accs: list[Acceptance], elapsed: float) -> None:
         """Report the step to the guard: tokens per row against the table's plain step."""
         if self.guard is None:
@@ -556,6 +587,29 @@ class Batch:
         for row in done:
             self.retire(row)
         return done
+
+
+def _lookahead(row: Row, budget: int) -> tuple[int, Lookahead] | None:
+    """The look-ahead of ``row``'s first drafter that asks for one, as (drafter index,
+    :class:`Lookahead`), or None when no drafter asks or the row may not
+    draft this step (``budget`` 0). Its positions ride on top of the row's draft budget:
+    without them the drafter has nothing to propose, so the slow start of
+    :func:`draft_budgets` would never begin; what they cost shows in the step's time, which
+    the :class:`~accel.calibration.cost_model.DraftGuard` weighs against plain steps. Every
+    asking drafter is asked each step (even at budget 0), so it knows that what it read
+    last is stale; a drafter that fails here fails its row."""
+    found = None
+    for i, (drafter, state) in enumerate(zip(row.plan.drafters, row.states)):
+        if type(drafter).lookahead is Drafter.lookahead:
+            continue
+        try:
+            look = drafter.lookahead(state)
+        except Exception as err:  # noqa: BLE001 - the drafter's failure is its row's
+            row.error = row.error or err
+            return None
+        if found is None and look is not None and len(look) > 0 and look.anchors >= 1:
+            found = (i, look)
+    return found if budget >= 1 else None
 
 
 def _hand_features(rows: Sequence[Row], states: dict[int, torch.Tensor], where: list[tuple[int, torch.Tensor]]) -> None:

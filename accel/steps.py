@@ -20,7 +20,7 @@ from .strategy import PromptCompressor, Strategy
 from .tree import DraftTree
 
 __all__ = ["Warp", "prefill", "prefill_steps", "prefill_rest", "prefill_rest_steps", "exhaust", "forward_tokens",
-           "verify", "verify_logits", "accept", "commit"]
+           "verify", "verify_logits", "accept", "commit", "RowLookahead", "chain_anchors", "lookahead_columns"]
 
 #: A prefill run forward by forward: yields between forwards, returns the hidden states [B, H].
 PrefillSteps = Generator[None, None, torch.Tensor]
@@ -185,8 +185,30 @@ def _prompt_rows(prompts) -> list[torch.Tensor]:
     return [p.reshape(-1) for p in prompts]
 
 
+#: Per row, the look-ahead a verify pass appends (see :func:`verify`): the anchor nodes and the
+#: input vectors [L, H] each anchor gets a copy of; None for a row without.
+RowLookahead = tuple[Sequence[int], torch.Tensor] | None
+
+
+def chain_anchors(tree: DraftTree, count: int) -> list[int]:
+    """The first ``count`` nodes of ``tree``'s main chain: the root, then each node's first
+    child (fewer when the chain ends)."""
+    out = [0]
+    while len(out) < count and tree.children[out[-1]]:
+        out.append(tree.children[out[-1]][0])
+    return out[:count]
+
+
+def lookahead_columns(tree: DraftTree, anchor: int, size: int) -> slice:
+    """The columns of a verify pass's hidden states holding anchor number ``anchor``'s
+    ``size`` look-ahead positions, for a row whose tree is ``tree``."""
+    start = tree.num_nodes + anchor * size
+    return slice(start, start + size)
+
+
 def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dtype: torch.dtype,
-           groups: int | None = None, min_nodes: int = 1) -> torch.Tensor:
+           groups: int | None = None, min_nodes: int = 1,
+           lookahead: Sequence[RowLookahead] | None = None) -> torch.Tensor:
     """One forward pass over every row's [root + draft nodes] on top of the cache.
 
     trees: one DraftTree per cache row (a single tree for a one-row cache).
@@ -196,13 +218,20 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
         number of rows they get (and a row's by where it falls in their tiles), so
         :mod:`accel.kernels.invariance` measures the multiple that makes a plain step compute each
         row exactly as a tree does.
-    Returns final hidden states [B, T, H] (T the largest tree rounded up to ``min_nodes``; a
-    single tree: [N+1, H]); the new entries stay uncommitted.
+    lookahead: per row None or (anchors, vectors [L, H]): after the row's N+1 nodes come L
+        positions per anchor node a (columns :func:`lookahead_columns`), fed ``vectors``
+        instead of token embeddings, at positions depth(a) + 1 .. depth(a) + L past the
+        root, each seeing a's ancestors, a, and the earlier positions of its own copy. No
+        node sees them and commit drops them (PaSS's look-ahead, :class:`~accel.strategy.Lookahead`).
+    Returns final hidden states [B, T, H] (T the largest row, look-ahead included, rounded
+    up to ``min_nodes``; a single tree: [N+1, H]); the new entries stay uncommitted.
     """
     single = isinstance(trees, DraftTree)
     trees = [trees] if single else list(trees)
     device = trees[0].tokens.device
-    t = round_up(max(tree.num_nodes for tree in trees), min_nodes)
+    looks = list(lookahead) if lookahead is not None else [None] * len(trees)
+    extra = [len(lk[0]) * lk[1].shape[0] if lk is not None else 0 for lk in looks]
+    t = round_up(max(tree.num_nodes + e for tree, e in zip(trees, extra)), min_nodes)
     bsz = len(trees)
     # tokens appended since the last commit (a chain fed forward by forward) come first
     logical = [n + cache.pending_entries for n in cache.logical_lengths]
@@ -221,7 +250,24 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
             positions[b, :m] = tree.depth + logical[b]
             positions[b, m:] = logical[b]
             visible[b, :m, :m] = tree.ancestor_mask
-    hidden = forward_tokens(model, cache, ids, positions, visible, dtype, groups)
+    where, vectors = None, []
+    if any(extra):
+        where = torch.zeros((bsz, t), dtype=torch.bool, device=device)
+        for b, (tree, look) in enumerate(zip(trees, looks)):
+            if look is None:
+                continue
+            anchors, vec = look
+            size = vec.shape[0]
+            causal = torch.ones((size, size), dtype=torch.bool, device=device).tril()
+            for j, a in enumerate(anchors):
+                cols = lookahead_columns(tree, j, size)
+                positions[b, cols] = logical[b] + int(tree.depth[a]) + 1 + torch.arange(size, device=device)
+                visible[b, cols, : tree.num_nodes] = tree.ancestor_mask[a]
+                visible[b, cols, cols] = causal
+                where[b, cols] = True
+                vectors.append(vec)
+    with adapter.replace_embeddings(model, where, torch.cat(vectors) if vectors else None):
+        hidden = forward_tokens(model, cache, ids, positions, visible, dtype, groups)
     return hidden[0, : trees[0].num_nodes] if single else hidden
 
 
@@ -292,13 +338,15 @@ def prefill_rest_steps(model, cache: SharedCache, prompts: Sequence[torch.Tensor
 
 
 def verify_logits(model, cache: SharedCache, trees: Sequence[DraftTree], dtype: torch.dtype,
-                  groups: int | None = None, min_nodes: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`verify` for every row, then the output head over each row's real nodes.
+                  groups: int | None = None, min_nodes: int = 1,
+                  lookahead: Sequence[RowLookahead] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`verify` for every row, then the output head over each row's real nodes (not
+    its look-ahead positions).
 
     Returns (hidden [B, T, H], float32 logits [sum_b N_b, V]: row b's nodes in order, rows
     one after another). One call computes every row's logits in one pass of the output layer.
     """
-    hidden = verify(model, cache, trees, dtype, groups, min_nodes)
+    hidden = verify(model, cache, trees, dtype, groups, min_nodes, lookahead)
     counts = [tree.num_nodes for tree in trees]
     if all(c == hidden.shape[1] for c in counts):
         flat = hidden.reshape(-1, hidden.shape[-1])

@@ -15,6 +15,8 @@ The decode loop never uses ``isinstance`` on strategies; it reads capability fla
 - ``needs_hidden``: the drafter wants the verifier's last hidden state (Medusa heads).
 - :meth:`Drafter.feature_layers`: the target layers whose hidden states the drafter reads at
   every verified position (EAGLE), handed over as ``DraftContext.features``.
+- :meth:`Drafter.lookahead`: input vectors the drafter appends to its row's verify pass,
+  whose outputs become its next drafts (PaSS), as a :class:`Lookahead`.
 - ``accepts``: the strategy replaces the acceptance rule (:class:`AcceptanceRule`).
 - ``quantizes_kv``: the strategy quantizes the entries a row keeps (:class:`KVQuantizer`).
 
@@ -39,6 +41,7 @@ __all__ = [
     "DraftContext",
     "FINAL_HIDDEN",
     "DraftProposal",
+    "Lookahead",
     "AcceptanceRule",
     "KVQuantizer",
     "REGISTRY",
@@ -207,6 +210,27 @@ class DraftProposal:
         return int(self.tokens.numel())
 
 
+@dataclass
+class Lookahead:
+    """Look-ahead positions a drafter appends to its row's verify pass (PaSS, Monea et al. 2023).
+
+    vectors: FloatTensor [L, H], input embeddings fed in place of token embeddings at L extra
+        positions after an anchor node: position i (0-based) sits at the anchor's position
+        + 1 + i and sees the anchor, its ancestors, the cache, and vectors 0..i. Nothing else
+        sees them and they are dropped at commit, so the verified tokens are unchanged.
+    anchors: how many nodes of the tree's main chain (the root, then each node's first child)
+        get their own copy of the L positions; the engine may give fewer (its draft budget
+        pays for them, L positions per anchor). When the accepted path ends at an anchor,
+        the drafter reads that copy's outputs (:meth:`Drafter.read_lookahead`).
+    """
+
+    vectors: torch.Tensor
+    anchors: int = 1
+
+    def __len__(self) -> int:
+        return int(self.vectors.shape[0])
+
+
 class Drafter(Strategy):
     """Proposes draft trees; learns from how many of its tokens were accepted."""
 
@@ -260,6 +284,18 @@ class Drafter(Strategy):
     def feedback(self, state: Any, proposed: int, accepted: int) -> None:
         """After each verify step: how many of this drafter's nodes were proposed, and how
         many of the accepted tokens (bonus excluded) came from them."""
+
+    def lookahead(self, state: Any) -> Lookahead | None:
+        """Look-ahead inputs for this row's next verify pass (:class:`Lookahead`), or None
+        (the default: the drafter appends nothing). Only a row's first drafter that returns
+        one gets its positions."""
+        return None
+
+    def read_lookahead(self, state: Any, logits: torch.Tensor | None) -> None:
+        """After a verify pass that carried this drafter's :meth:`lookahead`: the output
+        logits [L, V] (float32) at the L positions after the anchor the accepted path ended
+        at (they continue the text after this step's bonus token), or None when the path
+        ended elsewhere (or the row drafted nothing this step)."""
 
 
 class KVQuantizer(Strategy):
