@@ -1,4 +1,4 @@
-"""The ``accel`` command line: ``accel generate``, ``accel bench``, ``accel train-heads``, ``accel train-eagle``,
+"""The ``accel`` command line: ``accel generate``, ``accel bench``, ``accel train-heads``, ``accel train-eagle``, ``accel train-pass``,
 ``accel calibrate``, ``accel serve``."""
 
 from __future__ import annotations
@@ -56,6 +56,12 @@ def _train_heads(args: argparse.Namespace) -> int:
 
 def _train_eagle(args: argparse.Namespace) -> int:
     from speculative.eagle.train import run_cli
+
+    return run_cli(args)
+
+
+def _train_pass(args: argparse.Namespace) -> int:
+    from speculative.lookahead.train import run_cli
 
     return run_cli(args)
 
@@ -219,6 +225,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default=None)
     e.add_argument("--restart", action="store_true", help="discard cached answers and checkpoints in --out")
     e.set_defaults(func=_train_eagle, parser=e)
+
+    p = sub.add_parser("train-pass", help="train PaSS look-ahead embeddings by self-distillation",
+                       description="L look-ahead input embeddings (the model frozen) trained on the model's own greedy "
+                       "answers to the shipped prompts (cached in OUT/data). Unset options take the defaults of "
+                       "speculative.lookahead.train.PassTrainConfig.")
+    p.add_argument("--model", default="default")
+    p.add_argument("--out", required=True, help="output folder (embeddings, cached answers)")
+    p.add_argument("--prompts", default=None, help="prompt file, one a line (default: speculative/data/train_prompts.txt)")
+    p.add_argument("--max-prompts", type=int, default=None, help="prompts answered (default 640)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="greedy tokens per prompt (default 192)")
+    p.add_argument("--gen-batch-size", type=int, default=None, help="prompts answered together (default 32)")
+    p.add_argument("--positions", type=int, default=None, help="look-ahead embeddings L (default 4)")
+    p.add_argument("--anchors", type=int, default=None, help="anchor positions per sequence and forward (default 48)")
+    p.add_argument("--max-len", type=int, default=None, help="tokens per training sequence at most (default 384)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 4)")
+    p.add_argument("--epochs", type=float, default=None, help="passes over the data (default 1)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-2)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.set_defaults(func=_train_pass, parser=p)
 
     c = sub.add_parser("calibrate", help="measure verify-pass costs on this machine and cache them",
                        description="Time verify passes of the model (plain, transposed, packed and split linear kernels, a grid of "

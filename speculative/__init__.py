@@ -1,7 +1,7 @@
 """Drafters and lossy acceptance rules for accel's speculative decoding.
 
 Importing the package registers the ``typical`` acceptance rule and the drafters
-(``prompt_lookup``, ``medusa``, ``eagle``, ``draft_model``, ``ngrammys``). Draft trees and the exact acceptance rules are core verify
+(``prompt_lookup``, ``medusa``, ``eagle``, ``draft_model``, ``ngrammys``, ``pass``). Draft trees and the exact acceptance rules are core verify
 machinery and live in ``accel.tree`` / ``accel.acceptance``.
 """
 
@@ -11,6 +11,7 @@ from .medusa import Medusa, MedusaHeads
 from .eagle import Eagle
 from .draft_model import DraftModel
 from .ngrammys import NGrammys
+from .lookahead import PaSS
 from .medusa.trees import TREES, build_tree
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Eagle",
     "DraftModel",
     "NGrammys",
+    "PaSS",
     "TREES",
     "build_tree",
 ]
