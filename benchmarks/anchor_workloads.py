@@ -6,7 +6,7 @@ side when both are measured on one machine, one after the other.
         --config plain:float32 --config medusa+prompt_lookup:bfloat16:compile --out anchor.jsonl
 
 A configuration is ``STRATEGIES:DTYPE[:compile][:int4|int8]``; STRATEGIES is ``plain`` or drafters
-joined by ``+`` (``prompt_lookup``, ``medusa``, ``ngrammys``). Figures, as the anchor computes them:
+joined by ``+`` (``prompt_lookup``, ``medusa``, ``ngrammys``, ``pass``). Figures, as the anchor computes them:
 generated tokens / wall seconds of the call, prefill included, best of 2, every request making
 its whole budget (end of sequence ignored), greedy.
 - ``single_tok_s``: 4 requests one at a time, 96 tokens each;
@@ -34,7 +34,7 @@ QUESTIONS = ["How do vaccines train the immune system?", "Write a limerick about
              "What are the trade-offs between SQL and NoSQL databases?", "Explain recursion to a ten-year-old.",
              "Give a recipe outline for vegetable soup.", "Why does ice float on water?",
              "Compare trains and planes for a 500 km trip.", "What does a compiler do, in brief?"]
-DRAFTERS = {"prompt_lookup": "prompt_lookup", "medusa": "medusa:heads=default", "ngrammys": "ngrammys"}
+DRAFTERS = {"prompt_lookup": "prompt_lookup", "medusa": "medusa:heads=default", "ngrammys": "ngrammys", "pass": "pass"}
 
 
 def _commit() -> str:
