@@ -538,15 +538,15 @@ class Batch:
         """Hand each look-ahead drafter the output logits [L, V] at the copy after the anchor
         its row's accepted path ended at (None where it ended elsewhere), every row's in one
         pass of the output layer."""
-        wanted: list[tuple[int, int, slice]] = []
+        wanted: list[tuple[int, slice]] = []
         for b, (tree, lk, acc) in enumerate(zip(trees, looks, accs)):
             if lk is not None and acc.path[-1] in anchors[b]:
-                wanted.append((b, lk[0], lookahead_columns(tree, anchors[b].index(acc.path[-1]), len(lk[1]))))
-        logits = adapter.output_logits(self.model, torch.cat([hidden[b, cols] for b, _, cols in wanted])) \
+                wanted.append((b, lookahead_columns(tree, anchors[b].index(acc.path[-1]), len(lk[1]))))
+        logits = adapter.output_logits(self.model, torch.cat([hidden[b, cols] for b, cols in wanted])) \
             if wanted else None
         got: dict[int, torch.Tensor] = {}
         start = 0
-        for b, _, cols in wanted:
+        for b, cols in wanted:
             size = cols.stop - cols.start
             got[b] = logits[start : start + size]
             start += size
