@@ -253,3 +253,31 @@ def test_a_split_model_decodes_like_the_plain_one():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
         ref = reference.generate(ids, max_new_tokens=12, do_sample=False)
         assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), ref)
+
+
+def test_a_low_precision_layer_runs_verify_passes_in_chunks_its_kernel_keeps_row_invariant(monkeypatch):
+    # a fake kernel whose rows come out otherwise (as oneDNN's bf16 blocking does on an AMX
+    # Xeon above 32 rows) once a call has more than 8 rows: the layer probes that, and a
+    # pass of 20 or 300 rows then gives every row its single-row result bit for bit
+    from accel.kernels import cpu
+
+    def kernel(self, x):
+        out = nn.functional.linear(x, self.weight, self.bias)
+        return out + 1e-2 if x.numel() // self.in_features > 8 else out
+
+    monkeypatch.setattr(cpu, "_chunk_memo", {})
+    monkeypatch.setattr(PackedLinear, "_rows", kernel)
+    gen = torch.Generator().manual_seed(0)
+    layer = PackedLinear.from_weight(torch.randn(24, 16, generator=gen).bfloat16())
+    assert layer.chunk_rows == 8
+    x = torch.randn(300, 16, generator=gen).bfloat16()
+    single = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    for rows in (9, 20, 300):
+        assert torch.equal(layer(x[:rows]), single[:rows])
+    assert torch.equal(layer(x[:20].reshape(4, 5, 16)), single[:20].reshape(4, 5, 24))  # any leading shape
+    # a prefill longer than the chunked passes runs whole (its own kernel, not compared)
+    assert torch.equal(layer(torch.zeros(cpu.CHUNKED_MAX_ROWS + 1, 16).bfloat16())[0], torch.full((24,), 1e-2).bfloat16())
+    # float32 layers are never chunked; nor is a kernel that gives one row otherwise than two
+    assert PackedLinear.from_weight(torch.randn(24, 16, generator=gen)).chunk_rows == 0
+    monkeypatch.setattr(PackedLinear, "_rows", lambda self, x: kernel(self, x) + (x.numel() == self.in_features))
+    assert PackedLinear.from_weight(torch.randn(8, 16, generator=gen).bfloat16()).chunk_rows == 0

@@ -57,8 +57,8 @@ import functools
 import torch
 from torch import nn
 
-__all__ = ["PackedLinear", "bf16_native", "is_prepacked", "is_transposed", "packable_dtypes", "packed_rows", "packed_window",
-           "prepack", "prepack_available", "prepack_supported", "split_linear", "split_rows", "transpose_weights", "unprepack", "untranspose_weights"]
+__all__ = ["CHUNKED_MAX_ROWS", "PackedLinear", "bf16_native", "is_prepacked", "is_transposed", "packable_dtypes", "packed_rows", "packed_window",
+           "prepack", "prepack_available", "prepack_supported", "row_chunk", "split_linear", "split_rows", "transpose_weights", "unprepack", "untranspose_weights"]
 
 _ROWS_HINT = 8  # oneDNN picks the packed layout for this many rows; 1-16 rows all run fast in it
 
@@ -191,6 +191,48 @@ def split_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return out.reshape(*x.shape[:-1], out_features)
 
 
+#: Passes of up to this many rows (verify passes: rows x draft nodes) run in chunks of a
+#: layer's ``chunk_rows``; longer ones (prefills) in one call.
+CHUNKED_MAX_ROWS = 1024
+_CHUNKS = (64, 32, 16, 8, 4, 2)
+_chunk_memo: dict[tuple, int] = {}
+
+
+def row_chunk(layer: "PackedLinear") -> int:
+    """The most rows (of 64, 32, ..., 2) that one call of ``layer``'s kernels may
+    take while every row still gets, bit for bit, what a call with that row alone gives; 0
+    (no chunking) for a float32 or non-CPU layer.
+
+    Why: in bfloat16 a oneDNN matmul picks its blocking by the number of rows, and above
+    some count a row's sums come out in another order. On a 2-core Intel Xeon with AMX (torch
+    2.13) the default model's decoder and output layers gave every row its single-row result
+    in calls of up to 32 rows and not above (some layers up to 96), so a verify pass of more
+    tokens flipped greedy tokens against plain decoding whatever it was padded to. A layer
+    therefore runs passes of up to :data:`CHUNKED_MAX_ROWS` rows in calls of at most this
+    many rows, measured here once per process for each shape, window and thread count on
+    random inputs (float32 layers are exact to rounding without it; see
+    :mod:`accel.kernels.invariance`)."""
+    w = layer.weight
+    if w.dtype == torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+        return 0
+    key = (tuple(w.shape), w.dtype, layer.min_rows, layer.max_rows, layer.split_rows, layer._packed is not None,
+           torch.get_num_threads())
+    if key not in _chunk_memo:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(_CHUNKS[0], layer.in_features, generator=gen).to(w.dtype)
+        with torch.inference_mode():
+            single = torch.cat([layer._rows(x[i : i + 1]) for i in range(len(x))])
+            good = 1
+            for m in range(2, len(x) + 1):
+                if not torch.equal(layer._rows(x[:m]), single[:m]):
+                    break
+                good = m
+        # a layer whose single rows already differ from pairs (another kernel for one row) cannot
+        # be made invariant by chunking: left whole (accel.kernels.invariance then reports it)
+        _chunk_memo[key] = max(c for c in _CHUNKS if c <= good) if good >= 2 else 0
+    return _chunk_memo[key]
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` whose weight oneDNN packed once. x: [..., in] -> [..., out].
 
@@ -228,6 +270,7 @@ class PackedLinear(nn.Module):
         packable = w.device.type == "cpu" and w.dim() == 2 and prepack_available(w.dtype)
         self._packed_from = self._weight_key()
         self._packed = _pack(w) if packable else None
+        self.chunk_rows = row_chunk(self)
 
     def refresh(self, force: bool = False) -> None:
         """Pack again if ``weight`` was replaced or modified in place since it was packed
@@ -245,6 +288,7 @@ class PackedLinear(nn.Module):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self.__dict__.setdefault("split_rows", 0)  # pickled before the split window existed
+        self.__dict__.setdefault("chunk_rows", 0)
         self._repack()
 
     def _weight_key(self) -> tuple:
@@ -280,6 +324,17 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        chunk = self.chunk_rows
+        if chunk and chunk < rows <= CHUNKED_MAX_ROWS:
+            flat = x.reshape(rows, self.in_features)
+            out = torch.cat([self._rows(part) for part in flat.split(chunk)])
+            return out.reshape(*x.shape[:-1], self.out_features)
+        return self._rows(x)
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer on ``x`` [..., in] in one kernel call (the one its window picks for that
+        many rows)."""
+        rows = x.numel() // self.in_features
         if rows <= self.split_rows and self._splittable(x):
             return split_linear(x, self.weight, self.bias)
         if rows < self.min_rows or (self.max_rows is not None and rows > self.max_rows) or not self._usable(x):
@@ -293,6 +348,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         split = f", split for rows <= {self.split_rows}" if self.split_rows else ""
+        split += f", in chunks of {self.chunk_rows} rows" if self.chunk_rows else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " + (
             (f"packed for {self.min_rows}-{self.max_rows or 'any'} rows" if self._packed is not None else "not packed")) + split
 
@@ -317,6 +373,7 @@ def prepack(model: nn.Module, min_rows: int = 1, max_rows: int | None = None, sp
     for m in model.modules():
         if isinstance(m, PackedLinear):
             m.min_rows, m.max_rows, m.split_rows = min_rows, max_rows, split_rows
+            m.chunk_rows = row_chunk(m)
     targets = [
         (name, m)
         for name, m in model.named_modules()
