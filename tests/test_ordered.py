@@ -109,3 +109,15 @@ def test_the_probe_catches_a_batch_dependent_product_and_ordered_attention_follo
         monkeypatch.setattr(invariance, "_ordered_probe", lambda head_dim, groups: verdict)
         assert invariance.ordered(model) == verdict
         assert not invariance.ordered(make_tiny_model(seed=2))  # float32 runs sdpa
+
+
+def test_the_tail_gather_reads_a_slice_of_a_cache_buffer_and_any_other_layout():
+    # a cache layer hands attention buf[:B, :, :S] of a larger buffer; ordered attention gathers
+    # each query's columns from it by one index_select over the buffer's rows
+    gen = torch.Generator().manual_seed(0)
+    buf = torch.randn(5, 3, 300, 8, generator=gen).bfloat16()
+    cols = torch.randint(0, 120, (2, 4, 64), generator=gen)
+    rows = torch.arange(2)[:, None, None]
+    for x in (buf[:2, :, :120], buf[:2, :, :120].transpose(1, 2).contiguous().transpose(1, 2)):
+        want = x.transpose(1, 2)[rows, cols].permute(0, 3, 1, 2, 4)  # [B, H, T, W, D]
+        assert torch.equal(ordered._gather(x, cols), want)
