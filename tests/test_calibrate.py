@@ -720,3 +720,22 @@ def test_auto_prepack_applies_the_split_window_of_the_table(calib_cache, monkeyp
     ids = torch.tensor([[4, 8, 15, 16, 23]])
     with torch.inference_mode():
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_passes_are_timed_as_verify_runs_them_with_ordered_attention_where_the_engine_uses_it(monkeypatch):
+    # bf16 verify passes run ordered attention (accel.kernels.ordered), which costs a tree more
+    # than sdpa: the cost table must time that, not sdpa, or drafts are sized too large
+    from accel.kernels import invariance, ordered
+
+    model = make_tiny_model(seed=3).to(torch.bfloat16)
+    calls = []
+    attend = ordered.attend
+    monkeypatch.setattr(ordered, "attend", lambda *a, **k: calls.append(a[0].shape[2]) or attend(*a, **k))
+    for uses_ordered in (False, True):
+        monkeypatch.setattr(invariance, "ordered", lambda m, on=uses_ordered: on)
+        cache = timing.filled_cache(model, 70)
+        calls.clear()
+        times = timing.time_pass(model, cache, 4, repeats=2)
+        assert len(times) == 2 and cache.physical_length(0) == 70  # rolled back
+        assert (len(calls) > 0) == uses_ordered
+        assert set(calls) <= {4}

@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from .. import adapter
+from ..kernels import invariance
 from ..cache import SharedCache
 from .cost_model import KERNELS, CostTable, chosen_kernels, monotone, packed_rows, split_rows, weight_layout
 from ..kernels.cpu import (PackedLinear, is_prepacked, is_transposed, packable_dtypes, prepack, prepack_available, transpose_weights, unprepack,
@@ -99,6 +100,8 @@ def filled_cache(model, length: int, seed: int = 0) -> SharedCache:
     ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(geo.device)
     positions = torch.arange(length, device=geo.device).unsqueeze(0)
     cache = SharedCache(geo.num_layers)
+    cache.kv_align = invariance.kv_align(model)  # laid out as the engine lays out its caches
+    cache.ordered = invariance.ordered(model)
     with torch.inference_mode():
         adapter.backbone_forward(model, ids, positions, cache)
     cache.commit(advance=length)
@@ -108,24 +111,23 @@ def filled_cache(model, length: int, seed: int = 0) -> SharedCache:
 def time_pass(model, cache: SharedCache, tokens: int, repeats: int, warmup: int = 1) -> list[float]:
     """Milliseconds of ``repeats`` verify passes of ``tokens`` query tokens each (after
     ``warmup`` untimed ones) over ``cache``: ids [1, T], position ids [1, T] after the cache,
-    the causal additive mask a chain of drafts gets, the output head on every token. The
-    entries appended are rolled back each time."""
+    a chain of drafts (causal among the new tokens), the output head on every token, run as
+    a verify pass runs (:func:`accel.steps.forward_tokens`: with ordered attention where
+    ``cache.ordered``, which in bf16 costs a tree more than sdpa would). The entries appended
+    are rolled back each time."""
+    from ..steps import forward_tokens
+
     geo = adapter.geometry(model)
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    past = cache.physical_length(0)
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(geo.device)
     positions = torch.arange(cache.logical_length, cache.logical_length + tokens, device=geo.device).unsqueeze(0)
-    mask = None
-    if tokens > 1:  # [1, 1, T, P + T]: the cache visible, causal among the new tokens
-        mask = torch.zeros(1, 1, tokens, past + tokens, dtype=geo.dtype, device=geo.device)
-        future = torch.ones(tokens, tokens, dtype=torch.bool, device=geo.device).triu(1)
-        mask[0, 0, :, past:].masked_fill_(future, torch.finfo(geo.dtype).min)
+    chain = torch.ones(1, tokens, tokens, dtype=torch.bool, device=geo.device).tril() if tokens > 1 else None
     times = []
     with torch.inference_mode(), adapter.packed_gqa_attention(model):
         for i in range(warmup + repeats):
             _sync(geo.device)
             start = time.perf_counter()
-            hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
+            hidden = forward_tokens(model, cache, ids, positions, chain, geo.dtype)
             adapter.output_logits(model, hidden[0])
             _sync(geo.device)
             if i >= warmup:
