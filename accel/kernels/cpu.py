@@ -228,7 +228,7 @@ def row_chunk(layer: "PackedLinear") -> int:
                     break
                 good = m
         # a layer whose single rows already differ from pairs (another kernel for one row) cannot
-        # be made invariant by chunking: left whole (accel.kernels.invariance then reports it)
+        # be made invariant by chunking: left whole (accel.kernels.invariance then reports it; benchmarks/invariance_rows.py shows it)
         _chunk_memo[key] = max(c for c in _CHUNKS if c <= good) if good >= 2 else 0
     return _chunk_memo[key]
 

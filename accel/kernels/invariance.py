@@ -252,20 +252,3 @@ def is_exact(model) -> bool:
         return False
     return _probed(model)[1]
 
-
-def _main() -> None:  # python -m accel.kernels.invariance [dtype | int8 | int4]: which row counts are invariant here
-    import sys
-
-    from ..models import load_default
-    from .lowbit import SCHEMES
-
-    what = sys.argv[1] if len(sys.argv) > 1 else "bfloat16"
-    quantize = what if what.partition(":")[0] in SCHEMES else None
-    model, _ = load_default(dtype="float32" if quantize else what, quantize=quantize)  # packed as accel runs it
-    for r in CANDIDATES:
-        for align in (1, KV_ALIGN):
-            print(f"{what} rows {r}, columns aligned to {align}: {'invariant' if probe(model, r, align) else 'NOT'}")
-
-
-if __name__ == "__main__":
-    _main()
