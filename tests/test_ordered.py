@@ -121,3 +121,29 @@ def test_the_tail_gather_reads_a_slice_of_a_cache_buffer_and_any_other_layout():
     for x in (buf[:2, :, :120], buf[:2, :, :120].transpose(1, 2).contiguous().transpose(1, 2)):
         want = x.transpose(1, 2)[rows, cols].permute(0, 3, 1, 2, 4)  # [B, H, T, W, D]
         assert torch.equal(ordered._gather(x, cols), want)
+
+
+def test_the_gather_limit_is_where_the_measured_paths_cross():
+    # (entries, queries) -> (gathered, read in place) ms: gathering wins up to 512 pairs
+    timings = {(128, 1): (1.0, 2.0), (512, 1): (2.0, 3.0), (256, 4): (9.0, 4.0), (1024, 2): (8.0, 5.0)}
+    assert ordered.choose_limit(timings) == 512
+    assert ordered.choose_limit({(128, 1): (2.0, 1.0), (512, 1): (3.0, 2.0)}) == 0  # never gather
+    assert ordered.choose_limit({(128, 1): (1.0, 2.0), (512, 2): (1.0, 2.0)}) == 1024  # always
+    # a noisy point inside a run of wins does not move the limit past the losses around it
+    noisy = {(128, 1): (1.0, 2.0), (256, 1): (2.1, 2.0), (512, 1): (1.0, 3.0), (1024, 1): (5.0, 2.0)}
+    assert ordered.choose_limit(noisy) == 512
+
+
+def test_without_a_set_limit_the_measured_one_picks_the_path(monkeypatch):
+    monkeypatch.setattr(ordered, "GATHER", None)
+    q, k, v, mask, layout = _case((200,), 0, [-1, 0, 1])
+    for limit, blocks in ((0, 3), (10**9, 0)):
+        monkeypatch.setattr(ordered, "gather_limit", lambda *a, limit=limit: limit)
+        assert ordered.direct_blocks(Layout(layout.lengths, 0, layout.tree), True, (64, 3, 3)) == blocks
+    monkeypatch.undo()
+    monkeypatch.setattr(ordered, "GATHER", None)
+    limit = ordered.gather_limit(16, 2, 2, -1)  # measured here, on random data
+    assert 0 <= limit <= max(n * t for n, t in ordered._LIMIT_POINTS)
+    assert ordered.GATHER is None  # the measurement left the setting as it was
+    want = _sdpa(q, k, v, mask, 0.125)
+    assert torch.allclose(attend(q, k, v, mask, layout, 0.125).float(), want, atol=2e-2)

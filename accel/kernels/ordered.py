@@ -42,6 +42,7 @@ costs a float32 copy of the keys and values a layer reads (see docs/BENCHMARKS.m
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -51,13 +52,9 @@ __all__ = ["BLOCK", "Layout", "attend", "attend_gathered", "gathered_inputs", "p
 #: Keys per block of virtual columns.
 BLOCK = 64
 #: Up to this many (query, committed entry) pairs a forward gathers every query's keys
-#: instead of reading full blocks in place (fewer operations; the blocks' numbers are the same).
-#: Per layer on a 2-core AMX Xeon (random bf16 data, one row, 9 query heads over 3 KV heads):
-#: gathering took 164 / 270 us for one query over 128 / 512 entries against 236 / 314 read in
-#: place, but 1157 against 612 us for 2 queries over 1024, and 1922 against 618 us for a tree
-#: of 8 over 256 (the old limit, 4096, made an 8-node tree cost 1.57x a plain step instead of
-#: about 1.1x). The two costs cross between 512 and 1024 pairs.
-GATHER = 768
+#: instead of reading full blocks in place (the blocks' numbers are the same either way); None:
+#: :func:`gather_limit` measures where the two paths cross on this machine.
+GATHER: int | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -108,14 +105,74 @@ def _augmented(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def direct_blocks(layout: Layout, widths: bool = True) -> int:
+def direct_blocks(layout: Layout, widths: bool = True, geometry: tuple[int, int, int] = (64, 1, 1)) -> int:
     """Blocks of committed entries read in place (the same for every row; a row's blocks past
     its own full ones are masked there and gathered in its tail): 0 where gathering every
-    query's keys is small (under :data:`GATHER` entries), which saves the second path, and
-    where the kernels' columns depend on the product's width (``widths`` False:
-    :func:`probe_widths`)."""
+    query's keys is faster (up to :data:`GATHER` or :func:`gather_limit` (query, entry) pairs
+    for heads of ``geometry`` = (head dim, query heads per KV head, KV heads)), which saves
+    the second path, and where the kernels' columns depend on the product's width (``widths``
+    False: :func:`probe_widths`)."""
     n = max(layout.lengths)
-    return 0 if not widths or n * layout.tree.shape[-1] <= GATHER else n // BLOCK
+    if not widths:
+        return 0
+    limit = GATHER if GATHER is not None else gather_limit(*geometry, torch.get_num_threads())
+    return 0 if n * layout.tree.shape[-1] <= limit else n // BLOCK
+
+
+#: The (committed entries, query tokens) of one row that :func:`gather_limit` times.
+_LIMIT_POINTS = tuple((n, t) for n in (128, 256, 512, 1024) for t in (1, 2, 4, 8))
+
+
+@functools.cache
+def gather_limit(head_dim: int, groups: int, kv_heads: int, threads: int | None = None) -> int:
+    """Up to how many (query, committed entry) pairs gathering every query's keys is faster
+    than reading full blocks in place, measured once per process for a head geometry and
+    thread count: :func:`attend` on random data at :data:`_LIMIT_POINTS` (one row, a chain of
+    T queries), both ways, the faster of 2 after a warm-up, and the limit that minimises their total time
+    (:func:`choose_limit`). About 0.1 s on 2 cores. On a 2-core AMX Xeon (default model's heads) the
+    paths crossed between 512 and 1024 pairs: gathering took 164 / 270 us per layer for one
+    query over 128 / 512 entries against 236 / 314 read in place, 1922 against 618 us for a
+    chain of 8 over 256. ``threads`` only keys the cache (default: torch's current count)."""
+    del threads
+    global GATHER
+    timings = {}
+    gen = torch.Generator().manual_seed(0)
+    outer = GATHER
+    try:
+        for n, t in _LIMIT_POINTS:
+            k = torch.randn(1, kv_heads, n + t, head_dim, generator=gen).bfloat16()
+            v = torch.randn(1, kv_heads, n + t, head_dim, generator=gen).bfloat16()
+            q = torch.randn(1, kv_heads * groups, t, head_dim, generator=gen).bfloat16()
+            tree = torch.ones(1, t, t, dtype=torch.bool).tril()
+            mask = torch.zeros(1, 1, t, n + t, dtype=torch.bfloat16)
+            mask[0, 0, :, n:].masked_fill_(~tree[0], torch.finfo(torch.bfloat16).min)
+            best = []
+            for limit in (n * t, n * t - 1):  # gathered, then read in place
+                GATHER = limit
+                ms = []
+                for _ in range(3):
+                    layout = Layout((n,), 0, tree)
+                    start = time.perf_counter()
+                    attend(q, k, v, mask, layout, head_dim ** -0.5)
+                    ms.append(time.perf_counter() - start)
+                best.append(min(ms[1:]))
+            timings[(n, t)] = (best[0], best[1])
+    finally:
+        GATHER = outer
+    return choose_limit(timings)
+
+
+def choose_limit(timings: dict[tuple[int, int], tuple[float, float]]) -> int:
+    """The gather limit (in pairs) that minimises the total time of the timed points, given
+    per (committed entries, query tokens) point its (gathered, read in place) times: each
+    point runs gathered where its pairs are at most the limit. Ties go to the smaller limit."""
+    pairs = sorted({n * t for n, t in timings})
+    best, best_total = 0, float("inf")
+    for limit in [0] + pairs:
+        total = sum(g if n * t <= limit else d for (n, t), (g, d) in timings.items())
+        if total < best_total:
+            best, best_total = limit, total
+    return best
 
 
 def _tail_columns(layout: Layout, nd: int, device) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -185,7 +242,7 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     g = hq // hkv
     q = query.float()
     tops, sums = [], []
-    nd = direct_blocks(layout, probe_widths(d, g))
+    nd = direct_blocks(layout, probe_widths(d, g), (d, g, hkv))
     cols, valid, w = _memo(layout, ("tail", nd), lambda: _tail_columns(layout, nd, query.device))
     m_direct, m_tail = _memo(layout, ("mask", id(mask), nd, hkv, g),
                              lambda: _masks(mask, layout, nd, hkv, g, cols, valid))
