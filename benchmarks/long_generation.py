@@ -76,7 +76,7 @@ def main() -> None:
         print(f"prefill {time.perf_counter() - start:.1f} s, entries per head after it: "
               f"{batch.cache.entries_per_head(0, 0)}, RSS {rss_mib():.0f} MiB")
         print("generated | entries/head (most in the window) | columns | tok/s in window | RSS MiB")
-        done, mark, t0 = len(row.generated), len(row.generated), time.perf_counter()
+        mark, t0 = len(row.generated), time.perf_counter()
         peak = 0  # most entries per head seen after any step of the window
         while batch.rows:
             batch.step()
@@ -91,9 +91,8 @@ def main() -> None:
                 print(f"{w['generated']:9d} | {w['entries']} (most {peak}) | {w['columns']} | {w['tok_s']:.1f} | {w['rss']:.0f}")
                 mark, t0, peak = done, time.perf_counter(), 0
             batch.retire_done()
-    full = windows
-    reached = next((i for i, w in enumerate(full) if w["entries"] >= args.decode_budget), None)
-    after = full[reached:] if reached is not None else []
+    reached = next((i for i, w in enumerate(windows) if w["entries"] >= args.decode_budget), None)
+    after = windows[reached:] if reached is not None else []
     print(f"most entries per head after the budget was reached: {max((w['peak'] for w in after), default=None)} "
           f"(budget {args.decode_budget} + slack)")
     if len(windows) >= 3:

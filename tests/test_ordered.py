@@ -140,10 +140,11 @@ def test_without_a_set_limit_the_measured_one_picks_the_path(monkeypatch):
     for limit, blocks in ((0, 3), (10**9, 0)):
         monkeypatch.setattr(ordered, "gather_limit", lambda *a, limit=limit: limit)
         assert ordered.direct_blocks(Layout(layout.lengths, 0, layout.tree), True, (64, 3, 3)) == blocks
+        # a limit given to the call wins over both
+        assert ordered.direct_blocks(Layout(layout.lengths, 0, layout.tree), True, (64, 3, 3), 10**9 - limit) == 3 - blocks
     monkeypatch.undo()
-    monkeypatch.setattr(ordered, "GATHER", None)
-    limit = ordered.gather_limit(16, 2, 2, -1)  # measured here, on random data
-    assert 0 <= limit <= max(n * t for n, t in ordered._LIMIT_POINTS)
-    assert ordered.GATHER is None  # the measurement left the setting as it was
+    timings = ordered.gather_timings(16, 2, 2)  # measured here, on random data
+    assert set(timings) == set(ordered._LIMIT_POINTS) and all(g > 0 and d > 0 for g, d in timings.values())
     want = _sdpa(q, k, v, mask, 0.125)
-    assert torch.allclose(attend(q, k, v, mask, layout, 0.125).float(), want, atol=2e-2)
+    for gather in (None, 0, 10**9):
+        assert torch.allclose(attend(q, k, v, mask, layout, 0.125, gather=gather).float(), want, atol=2e-2)

@@ -206,7 +206,7 @@ def row_chunk(layer: "PackedLinear") -> int:
     Why: in bfloat16 a oneDNN matmul picks its blocking by the number of rows, and above
     some count a row's sums come out in another order. On a 2-core Intel Xeon with AMX (torch
     2.13) the default model's decoder and output layers gave every row its single-row result
-    in calls of up to 32 rows and not above (some layers up to 96), so a verify pass of more
+    in calls of up to 32 rows and not above, so a verify pass of more
     tokens flipped greedy tokens against plain decoding whatever it was padded to. A layer
     therefore runs passes of up to :data:`CHUNKED_MAX_ROWS` rows in calls of at most this
     many rows, measured here once per process for each shape, window and thread count on

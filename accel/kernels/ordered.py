@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BLOCK", "Layout", "attend", "attend_gathered", "gathered_inputs", "probe", "probe_widths"]
+__all__ = ["BLOCK", "Layout", "attend", "attend_gathered", "choose_limit", "gather_limit", "gather_timings", "gathered_inputs", "probe", "probe_widths"]
 
 #: Keys per block of virtual columns.
 BLOCK = 64
@@ -105,61 +105,62 @@ def _augmented(values: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def direct_blocks(layout: Layout, widths: bool = True, geometry: tuple[int, int, int] = (64, 1, 1)) -> int:
+def direct_blocks(layout: Layout, widths: bool = True, geometry: tuple[int, int, int] = (64, 1, 1),
+                  gather: int | None = None) -> int:
     """Blocks of committed entries read in place (the same for every row; a row's blocks past
     its own full ones are masked there and gathered in its tail): 0 where gathering every
-    query's keys is faster (up to :data:`GATHER` or :func:`gather_limit` (query, entry) pairs
-    for heads of ``geometry`` = (head dim, query heads per KV head, KV heads)), which saves
-    the second path, and where the kernels' columns depend on the product's width (``widths``
-    False: :func:`probe_widths`)."""
-    n = max(layout.lengths)
+    query's keys is faster (up to ``gather``, else :data:`GATHER`, else :func:`gather_limit`
+    (query, entry) pairs for heads of ``geometry`` = (head dim, query heads per KV head, KV
+    heads)), which saves the second path, and where the kernels' columns depend on the
+    product's width (``widths`` False: :func:`probe_widths`)."""
     if not widths:
         return 0
-    limit = GATHER if GATHER is not None else gather_limit(*geometry, torch.get_num_threads())
-    return 0 if n * layout.tree.shape[-1] <= limit else n // BLOCK
+    limit = gather if gather is not None else GATHER if GATHER is not None else \
+        gather_limit(*geometry, torch.get_num_threads())
+    return 0 if max(layout.lengths) * layout.tree.shape[-1] <= limit else max(layout.lengths) // BLOCK
 
 
-#: The (committed entries, query tokens) of one row that :func:`gather_limit` times.
+#: The (committed entries, query tokens) of one row that :func:`gather_timings` times.
 _LIMIT_POINTS = tuple((n, t) for n in (128, 256, 512, 1024) for t in (1, 2, 4, 8))
 
 
 @functools.cache
 def gather_limit(head_dim: int, groups: int, kv_heads: int, threads: int | None = None) -> int:
     """Up to how many (query, committed entry) pairs gathering every query's keys is faster
-    than reading full blocks in place, measured once per process for a head geometry and
-    thread count: :func:`attend` on random data at :data:`_LIMIT_POINTS` (one row, a chain of
-    T queries), both ways, the faster of 2 after a warm-up, and the limit that minimises their total time
-    (:func:`choose_limit`). About 0.1 s on 2 cores. On a 2-core AMX Xeon (default model's heads) the
-    paths crossed between 512 and 1024 pairs: gathering took 164 / 270 us per layer for one
-    query over 128 / 512 entries against 236 / 314 read in place, 1922 against 618 us for a
-    chain of 8 over 256. ``threads`` only keys the cache (default: torch's current count)."""
-    del threads
-    global GATHER
+    than reading full blocks in place: :func:`choose_limit` of :func:`gather_timings`,
+    measured once per process for a head geometry and thread count (``threads`` only keys
+    the cache: callers pass torch's current count). About 0.1 s on 2 cores."""
+    return choose_limit(gather_timings(head_dim, groups, kv_heads))
+
+
+def gather_timings(head_dim: int, groups: int, kv_heads: int) -> dict[tuple[int, int], tuple[float, float]]:
+    """Seconds of one :func:`attend` call per (committed entries, query tokens) point of
+    :data:`_LIMIT_POINTS` (one row, a chain of T queries, random bf16 data), (gathered, read in
+    place), each the faster of 2 calls after a warm-up. On a 2-core AMX Xeon with the default
+    model's heads (64, 3, 3) the paths crossed between 512 and 1024 pairs::
+
+        python -c "from accel.kernels.ordered import gather_timings as g; print(g(64, 3, 3))"
+    """
     timings = {}
     gen = torch.Generator().manual_seed(0)
-    outer = GATHER
-    try:
-        for n, t in _LIMIT_POINTS:
-            k = torch.randn(1, kv_heads, n + t, head_dim, generator=gen).bfloat16()
-            v = torch.randn(1, kv_heads, n + t, head_dim, generator=gen).bfloat16()
-            q = torch.randn(1, kv_heads * groups, t, head_dim, generator=gen).bfloat16()
-            tree = torch.ones(1, t, t, dtype=torch.bool).tril()
-            mask = torch.zeros(1, 1, t, n + t, dtype=torch.bfloat16)
-            mask[0, 0, :, n:].masked_fill_(~tree[0], torch.finfo(torch.bfloat16).min)
-            best = []
-            for limit in (n * t, n * t - 1):  # gathered, then read in place
-                GATHER = limit
-                ms = []
-                for _ in range(3):
-                    layout = Layout((n,), 0, tree)
-                    start = time.perf_counter()
-                    attend(q, k, v, mask, layout, head_dim ** -0.5)
-                    ms.append(time.perf_counter() - start)
-                best.append(min(ms[1:]))
-            timings[(n, t)] = (best[0], best[1])
-    finally:
-        GATHER = outer
-    return choose_limit(timings)
+    for n, t in _LIMIT_POINTS:
+        k = torch.randn(1, kv_heads, n + t, head_dim, generator=gen).bfloat16()
+        v = torch.randn(1, kv_heads, n + t, head_dim, generator=gen).bfloat16()
+        q = torch.randn(1, kv_heads * groups, t, head_dim, generator=gen).bfloat16()
+        tree = torch.ones(1, t, t, dtype=torch.bool).tril()
+        mask = torch.zeros(1, 1, t, n + t, dtype=torch.bfloat16)
+        mask[0, 0, :, n:].masked_fill_(~tree[0], torch.finfo(torch.bfloat16).min)
+        best = []
+        for limit in (n * t, n * t - 1):  # gathered, then read in place
+            seconds = []
+            for _ in range(3):
+                layout = Layout((n,), 0, tree)
+                start = time.perf_counter()
+                attend(q, k, v, mask, layout, head_dim ** -0.5, gather=limit)
+                seconds.append(time.perf_counter() - start)
+            best.append(min(seconds[1:]))
+        timings[(n, t)] = (best[0], best[1])
+    return timings
 
 
 def choose_limit(timings: dict[tuple[int, int], tuple[float, float]]) -> int:
@@ -230,19 +231,20 @@ def _masks(mask: torch.Tensor, layout: Layout, nd: int, hkv: int, g: int, cols: 
 
 
 def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, layout: Layout,
-           scale: float) -> torch.Tensor:
+           scale: float, gather: int | None = None) -> torch.Tensor:
     """Attention of T new tokens per row, each query from its own keys in virtual order.
 
     query [B, H_q, T, D]; key, value [B, H_kv, S, D] (the layer's stored entries, this
     forward's included); mask [B, 1 or H_q, T, S] additive (what a query may see: dropped
     entries, windows, other rows' padding masked). Returns [B, T, H_q, D] in query's dtype.
+    ``gather``: the gather limit to use (default: :func:`direct_blocks`'s).
     """
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
     q = query.float()
     tops, sums = [], []
-    nd = direct_blocks(layout, probe_widths(d, g), (d, g, hkv))
+    nd = direct_blocks(layout, probe_widths(d, g), (d, g, hkv), gather)
     cols, valid, w = _memo(layout, ("tail", nd), lambda: _tail_columns(layout, nd, query.device))
     m_direct, m_tail = _memo(layout, ("mask", id(mask), nd, hkv, g),
                              lambda: _masks(mask, layout, nd, hkv, g, cols, valid))
