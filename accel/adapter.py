@@ -263,6 +263,95 @@ def backbone_forward(
     return out.last_hidden_state
 
 
+class _FlatLayer(tuple):
+    """One decoder layer's parts for :func:`flat_forward`: (input norm, attention module,
+    q, k, v, o linears, post-attention norm, gate, up, down linears, activation)."""
+
+
+def flat_layers(model: PreTrainedModel) -> tuple[list[_FlatLayer] | None, str]:
+    """The decoder layers of ``model`` as the parts :func:`flat_forward` calls, or (None, why
+    not): Llama-family layers (:data:`LEAN_ARCHITECTURES`: RMS norms, rotary attention with
+    q/k/v/o projections, a gated MLP) on an attention implementation of transformers'
+    registry, without sliding windows. The projections may be any modules (``nn.Linear``,
+    :class:`accel.kernels.cpu.PackedLinear`, quantized layers)."""
+    cfg = model.config.get_text_config(decoder=True)
+    kind = getattr(cfg, "model_type", None)
+    if kind not in LEAN_ARCHITECTURES:
+        return None, f"its architecture ({kind}) is not one of {', '.join(LEAN_ARCHITECTURES)}"
+    if any(w is not None for w in layer_windows(model)):
+        return None, "it has sliding-window layers"
+    if AttentionInterface._global_mapping.get(getattr(cfg, "_attn_implementation", None) or "eager") is None:
+        return None, f"its attention ({cfg._attn_implementation}) is not in transformers' registry"
+    decoder = model.get_decoder()
+    if not all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "norm", "layers")):
+        return None, "its decoder lacks embed_tokens, rotary_emb, norm or layers"
+    out = []
+    for layer in decoder.layers:
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        parts = [getattr(layer, "input_layernorm", None), attn]
+        parts += [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        parts.append(getattr(layer, "post_attention_layernorm", None))
+        parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj", "act_fn")]
+        if any(p is None for p in parts) or not all(type(n).__name__.endswith("RMSNorm") for n in (parts[0], parts[6])):
+            return None, f"its decoder layers ({type(layer).__name__}) are not Llama-shaped"
+        foreign = [type(m).__name__ for m in (layer, attn, mlp, parts[0], parts[6]) if not _transformers_class(m)]
+        if foreign:  # a subclass of the user's may compute something else: run its own forward
+            return None, f"its {foreign[0]} is not transformers' own class"
+        out.append(_FlatLayer(parts))
+    return out, ""
+
+
+def flat_forward(
+    model: PreTrainedModel,
+    layers: list[_FlatLayer],
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    cache: Cache,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`backbone_forward` of a model :func:`flat_layers` covers, without transformers'
+    module calls between the operations (``nn.Module.__call__`` of each layer, attention,
+    MLP, norm and projection, the mask and cache plumbing): the same operations in the same
+    order, so the same numbers (tested, bit for bit), 1.08-1.15x the tokens per second of
+    transformers' forward on the default model (docs/COMPILED.md).
+
+    layers: :func:`flat_layers` of ``model``; the rest as :func:`backbone_forward`. Masks
+    that differ per layer come from the cache (:meth:`accel.cache.SharedCache.layer_mask`),
+    as :func:`per_layer_masks` hands them to transformers' layers.
+    """
+    decoder = model.get_decoder()
+    b, t = input_ids.shape
+    attention = AttentionInterface._global_mapping[model.config.get_text_config(decoder=True)._attn_implementation]
+    uniform = getattr(cache, "uniform_masks", True)
+    x = decoder.embed_tokens.forward(input_ids)
+    cos, sin = decoder.rotary_emb(x, position_ids=position_ids)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    for idx, (norm1, attn, q_proj, k_proj, v_proj, o_proj, norm2, gate, up, down, act) in enumerate(layers):
+        h = norm1.forward(x)
+        shape = (b, t, -1, attn.head_dim)
+        q = q_proj.forward(h).view(shape).transpose(1, 2)
+        k = k_proj.forward(h).view(shape).transpose(1, 2)
+        v = v_proj.forward(h).view(shape).transpose(1, 2)
+        q = (q * cos) + (_rotate_half(q) * sin)
+        k = (k * cos) + (_rotate_half(k) * sin)
+        k, v = cache.update(k, v, idx)
+        mask = attention_mask if uniform else cache.layer_mask(idx)
+        out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
+        x = x + o_proj.forward(out.reshape(b, t, -1).contiguous())
+        h = norm2.forward(x)
+        x = x + down.forward(act(gate.forward(h)) * up.forward(h))
+    return decoder.norm.forward(x)
+
+
+def _transformers_class(module: torch.nn.Module) -> bool:
+    return type(module).__module__.startswith("transformers.")
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
 def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The model's output head on hidden states [..., H] -> float32 logits [..., V]."""
     logits = model.get_output_embeddings()(hidden)

@@ -273,7 +273,10 @@ def verify(model, cache: SharedCache, trees: DraftTree | Sequence[DraftTree], dt
 
 def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torch.Tensor,
                    visible: torch.Tensor | None, dtype: torch.dtype, groups: int | None = None) -> torch.Tensor:
-    """One forward of T new tokens per row on top of the cache (left uncommitted).
+    """One forward of T new tokens per row on top of the cache (left uncommitted): the
+    compiled step where one serves it, else the flat forward of a Llama-family model
+    (:func:`accel.adapter.flat_forward`: transformers' numbers without its module calls),
+    else transformers' forward (prefills, hooked models, other architectures).
 
     ids, positions: LongTensor [B, T]; visible: BoolTensor [B, T, T], True where new token
     i sees new token j (None for T == 1). Returns final hidden states [B, T, H].
@@ -283,8 +286,13 @@ def forward_tokens(model, cache: SharedCache, ids: torch.Tensor, positions: torc
     compiled = step_of(model)
     if compiled is not None and compiled.serves(model, cache):
         return compiled(ids, positions, cache, mask)
-    hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
     order = adapter.ordered_attention(cache) if cache.ordered else contextlib.nullcontext()
+    if cache._prefill is None and not adapter.has_hooks(model):
+        layers, _ = adapter.flat_layers(model)
+        if layers is not None:
+            with order:
+                return adapter.flat_forward(model, layers, ids, positions, cache, mask)
+    hook = adapter.per_layer_masks(model, cache) if not cache.uniform_masks and not cache.mask_hook else contextlib.nullcontext()
     with hook, order:
         return adapter.backbone_forward(model, ids, positions, cache, mask)
 

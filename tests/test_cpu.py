@@ -152,7 +152,7 @@ def test_a_window_of_rows_runs_packed_kernels_and_plain_ones_outside_it(monkeypa
 
     calls: list[int] = []
     real = cpu._packed_linear
-    monkeypatch.setattr(cpu, "_packed_linear", lambda x, packed, bias: calls.append(x.shape[0]) or real(x, packed, bias))
+    monkeypatch.setattr(cpu, "_packed_linear", lambda x, packed, bias: calls.append(x.numel() // x.shape[-1]) or real(x, packed, bias))
     linear = nn.Linear(8, 4)
     layer = PackedLinear(linear, min_rows=4, max_rows=9)
     with torch.inference_mode():
@@ -182,7 +182,7 @@ def test_packed_passes_of_many_lengths_run_a_bounded_set_of_row_counts(monkeypat
     assert all(n <= cpu.packed_rows(n) < n * 1.0625 + 1 for n in range(1, 5000))
     calls: list[int] = []
     real = cpu._packed_linear
-    monkeypatch.setattr(cpu, "_packed_linear", lambda x, packed, bias: calls.append(x.shape[0]) or real(x, packed, bias))
+    monkeypatch.setattr(cpu, "_packed_linear", lambda x, packed, bias: calls.append(x.numel() // x.shape[-1]) or real(x, packed, bias))
     linear = nn.Linear(8, 6)
     layer = PackedLinear(linear)
     with torch.inference_mode():

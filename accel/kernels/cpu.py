@@ -307,7 +307,7 @@ class PackedLinear(nn.Module):
         the bias's), no gradients wanted."""
         w = self.weight
         return (
-            x.device.type == "cpu"
+            x.is_cpu
             and x.dtype == w.dtype
             and (self.bias is None or self.bias.dtype == w.dtype)
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
@@ -325,6 +325,10 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         chunk = self.chunk_rows
+        if (rows <= _EXACT_ROWS and (not chunk or rows <= chunk) and self.split_rows < rows and self.min_rows <= rows
+                and (self.max_rows is None or rows <= self.max_rows) and self._usable(x)):
+            # a decode or verify pass: one packed call at its own size (what _rows would run)
+            return _packed_linear(x, self._packed, self.bias)
         if chunk and chunk < rows <= CHUNKED_MAX_ROWS:
             flat = x.reshape(rows, self.in_features)
             out = torch.cat([self._rows(part) for part in flat.split(chunk)])
