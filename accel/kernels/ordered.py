@@ -260,24 +260,42 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         tops.append(top.reshape(b, hkv, nd, g, t).permute(0, 1, 3, 4, 2))
         sums.append(out.reshape(b, hkv, nd, d + 1, g, t).permute(0, 1, 4, 5, 2, 3))
 
-    top, acc = _tail(q, key, value, cols, m_tail, scale, g)
+    # what every layer of the forward shares: the gather's row indices, the values' buffer
+    index = _memo(layout, ("index", nd, tuple(key.shape), key.stride()), lambda: _gather_index(key, cols))
+    if value.shape != key.shape or value.stride() != key.stride():
+        index = None
+    nt = w // BLOCK
+    vals = _memo(layout, ("vals", nd, hkv, d), lambda: _values_buffer((b, hkv, t, nt, d + 1, BLOCK), q.device))
+    top, acc = _tail(q, key, value, cols, m_tail, scale, g, index, vals)
     tops.append(top)
     sums.append(acc)
     return _merge(tops, sums, query.dtype)
 
 
+def _values_buffer(shape: tuple[int, ...], device) -> torch.Tensor:
+    """The tail's augmented values [..., D + 1, BLOCK] float32, its last row of ones set (the
+    rest is written by each layer)."""
+    vals = torch.empty(shape, dtype=torch.float32, device=device)
+    vals[..., -1, :] = 1.0
+    return vals
+
+
 def _tail(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cols: torch.Tensor, m_tail: torch.Tensor,
-          scale: float, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+          scale: float, g: int, index: torch.Tensor | None = None, vals: torch.Tensor | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     """The gathered blocks of every query: q [B, H_q, T, D] float32, cols [B, T, W] (storage
-    columns in virtual order), m_tail the mask as :func:`_masks` lays it out. Returns per
-    block its max [B, H_kv, G, T, nt] and weighted sums [B, H_kv, G, T, nt, D + 1]."""
+    columns in virtual order), m_tail the mask as :func:`_masks` lays it out; ``index``
+    (:func:`_gather_index` of ``key``, valid for ``value`` too) and ``vals``
+    (:func:`_values_buffer`), shared by a forward's layers, or None to make them here. Returns
+    per block its max [B, H_kv, G, T, nt] and weighted sums [B, H_kv, G, T, nt, D + 1]."""
     b, hq, t, d = q.shape
     hkv = hq // g
     nt = cols.shape[-1] // BLOCK
-    keys = _gather(key, cols).view(b, hkv, t, nt, BLOCK, d).float()
-    vals = torch.empty((b, hkv, t, nt, d + 1, BLOCK), dtype=torch.float32, device=q.device)
-    vals[..., :d, :] = _gather(value, cols).view(b, hkv, t, nt, BLOCK, d).transpose(-1, -2)
-    vals[..., d, :] = 1.0  # [V_blk^T; 1]: the product's last row sums the weights
+    keys = _gather(key, cols, index).view(b, hkv, t, nt, BLOCK, d).float()
+    if vals is None:
+        vals = _values_buffer((b, hkv, t, nt, d + 1, BLOCK), q.device)
+    # [V_blk^T; 1]: the product's last row sums the weights
+    vals[..., :d, :] = _gather(value, cols, index).view(b, hkv, t, nt, BLOCK, d).transpose(-1, -2)
     qt = q.reshape(b, hkv, g, t, d).permute(0, 1, 3, 4, 2).unsqueeze(3)  # [B, H_kv, T, 1, D, G]
     scores = _mm(keys, qt) * scale + m_tail  # [B, H_kv, T, nt, BLOCK, G]
     top, weights = _weights(scores, dim=4)
@@ -285,22 +303,34 @@ def _tail(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cols: torch.T
     return top.squeeze(4).permute(0, 1, 4, 2, 3), out.permute(0, 1, 5, 2, 3, 4)
 
 
-def _gather(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D] at storage columns cols [B, T, W] -> [B, H, T, W, D] (contiguous).
+def _gather_index(x: torch.Tensor, cols: torch.Tensor) -> torch.Tensor | None:
+    """The rows of ``x`` [B, H, S, D] seen as a [B * H * capacity, D] matrix that
+    :func:`_gather` reads for storage columns cols [B, T, W], flat [B * H * T * W], or None
+    where ``x`` is not a slice of such a buffer.
 
     A cache layer's keys are a slice of its buffer [B_cap, H, capacity, D], so every (row,
-    head, column) is one contiguous D-vector of a [B * H * capacity, D] matrix, and one
-    ``index_select`` of its rows gathers them all, already in the output's order (3-4x faster
-    on a 2-core Xeon than indexing x by two tensors and permuting; the values are the same
-    either way)."""
+    head, column) is one contiguous D-vector of that matrix, and one ``index_select`` of its
+    rows gathers them all, already in the output's order (3-4x faster on a 2-core Xeon than
+    indexing x by two tensors and permuting; the values are the same either way)."""
     b, h, _, d = x.shape
     t, w = cols.shape[1:]
     per_head = x.stride(1)
-    if x.stride(3) == 1 and x.stride(2) == d and per_head % d == 0 and x.stride(0) == h * per_head:
-        capacity = per_head // d
-        flat = x.as_strided((b * h * capacity, d), (d, 1))
-        starts = torch.arange(b * h, device=x.device).view(b, h, 1) * capacity
-        return flat.index_select(0, (starts + cols.view(b, 1, t * w)).view(-1)).view(b, h, t, w, d)
+    if not (x.stride(3) == 1 and x.stride(2) == d and per_head % d == 0 and x.stride(0) == h * per_head):
+        return None
+    starts = torch.arange(b * h, device=x.device).view(b, h, 1) * (per_head // d)
+    return (starts + cols.view(b, 1, t * w)).view(-1)
+
+
+def _gather(x: torch.Tensor, cols: torch.Tensor, index: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, H, S, D] at storage columns cols [B, T, W] -> [B, H, T, W, D] (contiguous);
+    ``index``: :func:`_gather_index` of ``x`` and ``cols`` if known."""
+    b, h, _, d = x.shape
+    t, w = cols.shape[1:]
+    if index is None:
+        index = _gather_index(x, cols)
+    if index is not None:
+        flat = x.as_strided((x.stride(0) * b // d, d), (d, 1))
+        return flat.index_select(0, index).view(b, h, t, w, d)
     rows = torch.arange(b, device=x.device)[:, None, None]
     return x.transpose(1, 2)[rows, cols].permute(0, 3, 1, 2, 4).contiguous()
 
