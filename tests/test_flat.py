@@ -110,3 +110,26 @@ def test_layers_of_a_users_own_class_are_not_flattened():
     model.model.layers[0].mlp = new
     layers, why = adapter.flat_layers(model)
     assert layers is None and "_ScaledMLP" in why
+
+
+def test_a_global_forward_hook_keeps_transformers_forward(monkeypatch):
+    model = make_tiny_model(seed=5)
+    assert not adapter.has_hooks(model)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
+    try:
+        assert adapter.has_hooks(model)
+    finally:
+        handle.remove()
+    assert not adapter.has_hooks(model)
+
+
+def test_a_replaced_layer_is_seen_by_the_next_step():
+    model = make_tiny_model(seed=5)
+    ids = repetitive_prompt(4, 30)
+    ref = accel.generate(model, ids, max_new_tokens=6, eos_token_id=[]).sequences
+    new = torch.nn.ModuleList([*model.model.layers])  # the same layers, one replaced by a fresh one
+    fresh = type(model.model.layers[1])(model.config, 1)
+    new[1] = fresh
+    model.model.layers = new
+    assert adapter.flat_layers(model)[0][1][1] is fresh.self_attn
+    assert not accel.generate(model, ids, max_new_tokens=6, eos_token_id=[]).sequences.equal(ref)
