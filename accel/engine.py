@@ -50,7 +50,7 @@ MAX_DRAFT_PER_ROW = 16
 
 
 def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_per_row: int,
-                  min_nodes: int = 1) -> list[int]:
+                  min_nodes: int = 1, extra: Sequence[int] | None = None) -> list[int]:
     """Draft nodes each row may verify this step, from the measured cost of a padded verify
     pass (``table``, see :func:`accel.calibration.cost_model.allocate_drafts`) and each row's running
     acceptance rate and drafting time: as the batch grows, a deeper tree costs every row,
@@ -60,14 +60,16 @@ def draft_budgets(table: CostTable, cache_len: int, rows: Sequence["Row"], max_p
     (``2 ** drafting steps so far``), so the acceptance and drafting time it measures cheaply
     decide before a deep tree is paid for (a drafter that proposes garbage costs the batch
     little). Its acceptance is planned optimistically at first (:func:`planning_rate`), so a
-    row tries drafting even where a two-token pass costs much more than a one-token one."""
+    row tries drafting even where a two-token pass costs much more than a one-token one.
+    ``extra``: per row, the look-ahead positions its tree carries whenever it drafts."""
     gains = [acceptance_gains(planning_rate(r), min(max_per_row, 2 ** min(r.drafted_steps, 30)))
              if r.plan.drafters else [] for r in rows]
     # the static table (calibration off) is a shape in units of one step, not milliseconds
     fits = [r.draft_cost.fit() for r in rows] if table.measured else None
     return allocate_drafts(table, cache_len, gains, max_per_row, min_nodes=min_nodes,
                            drafter_ms=[f for f, _ in fits] if fits else None,
-                           drafter_ms_per_token=[t for _, t in fits] if fits else None)
+                           drafter_ms_per_token=[t for _, t in fits] if fits else None,
+                           extra_nodes=list(extra) if extra is not None else None)
 
 
 #: Pseudo-hits of optimism in a row's planned acceptance before its drafts are measured
@@ -437,27 +439,39 @@ class Batch:
         """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.serving.prefix`)."""
         return self._prefix_model and row.plan.compressor is None and row.plan.quantizer is None
 
-    def budgets(self) -> list[int]:
-        """Draft nodes each live row may propose this step (see :func:`draft_budgets`)."""
+    def budgets(self, extra: Sequence[int] | None = None) -> tuple[list[int], bool]:
+        """(Draft nodes each live row may propose this step (see :func:`draft_budgets`),
+        whether the drafting rows carry their look-ahead positions). ``extra``: per row, the
+        look-ahead positions its tree carries if it drafts. Where no row may draft with them
+        but some may without (prompt lookup beside PaSS, say), the step drafts without them."""
         self.guard = None
+        rows = len(self.rows)
         if not any(r.plan.drafters for r in self.rows):
-            return [0] * len(self.rows)
+            return [0] * rows, False
         if self.costs is None:
             self.costs = calibrate.step_costs(self.model)
         self.guard = draft_guard(self.model, self.rows) if self.costs.measured else None
         if self.guard is not None and not self.guard.allow():
-            return [0] * len(self.rows)
+            return [0] * rows, False
         cap = self.max_draft if self.max_draft is not None else MAX_DRAFT_PER_ROW
-        return draft_budgets(self.costs, self.cache.committed_length(0), self.rows, cap, self.min_nodes)
+        length = self.cache.committed_length(0)
+        budgets = draft_budgets(self.costs, length, self.rows, cap, self.min_nodes, extra)
+        if extra is None or not any(extra) or any(budgets):
+            return budgets, True
+        return draft_budgets(self.costs, length, self.rows, cap, self.min_nodes), False
 
     def step(self) -> list[list[int]]:
         """One verify forward for every live row; returns each row's newly emitted tokens."""
         rows = self.rows
         t0 = time.perf_counter()
         lengths = list(self.cache.logical_lengths)
+        asked = [_lookahead(row) if row.error is None else None for row in rows]
+        extra = [len(lk[1]) * lk[1].anchors if lk is not None else 0 for lk in asked]
+        planned, carry = self.budgets(extra)
         budgets = [row.upkeep.draft_room(n, k) if row.upkeep is not None else k
-                   for row, n, k in zip(rows, lengths, self.budgets())]  # no step verifies past a cache change
-        looks = [_lookahead(row, budget) if row.error is None else None for row, budget in zip(rows, budgets)]
+                   for row, n, k in zip(rows, lengths, planned)]  # no step verifies past a cache change
+        looks = [lk if carry and budget >= 1 and row.error is None else None
+                 for row, lk, budget in zip(rows, asked, budgets)]
         ctxs = [DraftContext(tokens=row.tokens, hidden=row.hidden, max_tokens=budget, warp=row.warp,
                              generator=row.generator, features=row.features) for row, budget in zip(rows, budgets)]
         for row, budget in zip(rows, budgets):
@@ -589,15 +603,16 @@ class Batch:
         return done
 
 
-def _lookahead(row: Row, budget: int) -> tuple[int, Lookahead] | None:
+def _lookahead(row: Row) -> tuple[int, Lookahead] | None:
     """The look-ahead of ``row``'s first drafter that asks for one, as (drafter index,
-    :class:`Lookahead`), or None when no drafter asks or the row may not
-    draft this step (``budget`` 0). Its positions ride on top of the row's draft budget:
-    without them the drafter has nothing to propose, so the slow start of
-    :func:`draft_budgets` would never begin; what they cost shows in the step's time, which
-    the :class:`~accel.calibration.cost_model.DraftGuard` weighs against plain steps. Every
-    asking drafter is asked each step (even at budget 0), so it knows that what it read
-    last is stale; a drafter that fails here fails its row."""
+    :class:`Lookahead`), or None when no drafter asks. The step carries it only where the
+    row may draft (a budget of at least one draft). Its positions ride on top of the row's
+    draft budget: without them the drafter has nothing to propose, so the slow start of
+    :func:`draft_budgets` would never begin; the allocation charges them
+    (``allocate_drafts(extra_nodes=)``) and the :class:`~accel.calibration.cost_model.DraftGuard`
+    weighs what the steps cost against plain steps. Every asking drafter is asked each step
+    (even where its row does not draft), so it knows that what it read last is stale; a
+    drafter that fails here fails its row."""
     found = None
     for i, (drafter, state) in enumerate(zip(row.plan.drafters, row.states)):
         if type(drafter).lookahead is Drafter.lookahead:
@@ -609,7 +624,7 @@ def _lookahead(row: Row, budget: int) -> tuple[int, Lookahead] | None:
             return None
         if found is None and look is not None and len(look) > 0 and look.anchors >= 1:
             found = (i, look)
-    return found if budget >= 1 else None
+    return found
 
 
 def _hand_features(rows: Sequence[Row], states: dict[int, torch.Tensor], where: list[tuple[int, torch.Tensor]]) -> None:

@@ -84,6 +84,23 @@ def test_rows_with_low_acceptance_get_none_while_good_rows_draft():
     assert free[3] == 0 and free[0] == free[1] == free[2] > 0
 
 
+def test_look_ahead_positions_are_charged_to_the_rows_that_draft():
+    # KNEE: 8 tokens cost 1.1 steps, then each token 1/7 ms more than that. A row that gains
+    # 0.3 tokens from one draft pays for it alone, but not with 8 look-ahead positions on top
+    gains = [[0.3]]
+    assert allocate_drafts(KNEE, 256, gains, max_per_row=4) == [1]
+    assert allocate_drafts(KNEE, 256, gains, max_per_row=4, extra_nodes=[8]) == [0]
+    assert allocate_drafts(KNEE, 256, gains, max_per_row=4, extra_nodes=[2]) == [1]  # still inside the knee
+    # in a batch the positions widen every row's padded pass: a look-ahead row that would have
+    # drafted beside rows without look-ahead is dropped, the others keep drafting
+    rows = [acceptance_gains(0.8, 4)] * 3 + [[0.3]]
+    assert allocate_drafts(KNEE, 256, rows, max_per_row=4, extra_nodes=[0, 0, 0, 0])[3] == 1
+    k = allocate_drafts(KNEE, 256, rows, max_per_row=4, drafter_ms=[0.5] * 4, extra_nodes=[0, 0, 0, 12])
+    assert k[3] == 0 and min(k[:3]) > 0
+    with pytest.raises(ValueError, match="extra_nodes"):
+        allocate_drafts(KNEE, 256, gains, max_per_row=4, extra_nodes=[1, 2])
+
+
 def test_padding_makes_one_deep_row_cost_the_whole_batch():
     # verify cost is linear in padded tokens: one good row among seven useless ones pays for
     # eight rows per extra depth, so it drafts less than it would alone

@@ -14,12 +14,22 @@ import accel
 from accel.steps import chain_anchors
 from accel.strategy import DraftContext
 from accel.tree import DraftTree
-from helpers import SMALL_DRAFT, chi2_fails, make_tiny_model, make_tiny_tokenizer, random_prompt, repetitive_prompt
+from accel.calibration import calibrate
+from helpers import SMALL_DRAFT, chi2_fails, fake_table, make_tiny_model, make_tiny_tokenizer, random_prompt, repetitive_prompt
 from snapkv import SnapKV
 from speculative import PaSS, PromptLookup
 from speculative.lookahead import load_pass, save_pass
 from speculative.eagle.train import answer_prompts
 from speculative.lookahead.train import PassTrainConfig, lookahead_batch, lookahead_loss, train_pass
+
+
+@pytest.fixture
+def drafting_pays(monkeypatch):
+    """A flat cost table: every row may draft and carries its look-ahead positions, so that
+    exactness is tested with them in the pass (what they cost in the allocation is tested in
+    test_calibrate.py and test_batch.py)."""
+    flat = fake_table([1, 64], [1.0, 1.0])
+    monkeypatch.setattr(calibrate, "step_costs", lambda model: flat)
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +70,7 @@ def test_greedy_batch_is_plain_greedy(target, pass_dir):
     assert out.stats.drafted_tokens > 0
 
 
+@pytest.mark.usefixtures("drafting_pays")
 @pytest.mark.parametrize("anchors", [1, 3])
 def test_greedy_exact_over_snapkv_and_merged_with_prompt_lookup(target, pass_dir, anchors):
     snap = SnapKV(budget=16, window=4, kernel=3)
@@ -70,6 +81,7 @@ def test_greedy_exact_over_snapkv_and_merged_with_prompt_lookup(target, pass_dir
     assert out.stats.drafted_tokens > 0
 
 
+@pytest.mark.usefixtures("drafting_pays")
 def test_engine_rows_with_and_without_lookahead(target, pass_dir):
     prompts = _prompts()
     alone = [accel.generate(target, p.unsqueeze(0), strategies=[], max_new_tokens=16, eos_token_id=[]) for p in prompts]
@@ -198,6 +210,7 @@ def test_missing_and_foreign_embeddings_are_refused(target, pass_dir, tmp_path):
 # --------------------------------------------------------------------------- training
 
 
+@pytest.mark.usefixtures("drafting_pays")
 def test_training_lowers_the_loss_and_its_drafts_are_accepted(tmp_path):
     from accel.models import chat_ids
 
@@ -225,3 +238,21 @@ def test_training_lowers_the_loss_and_its_drafts_are_accepted(tmp_path):
     out = accel.generate(model, ids, strategies=[PaSS(embeddings=str(tmp_path))], max_new_tokens=24, max_draft_tokens=12)
     _same(plain, out)
     assert out.stats.accepted_tokens > 0  # it learned something of the target's answers
+
+
+def test_look_ahead_positions_are_left_out_where_only_they_do_not_pay(target, pass_dir, monkeypatch):
+    # up to 8 query tokens cost one step, each token past them a whole step more: prompt
+    # lookup's drafts fit, PaSS's 8 look-ahead positions on top of them do not
+    monkeypatch.setattr(calibrate, "step_costs", lambda model: fake_table([1, 8, 64], [1.0, 1.0, 57.0]))
+    from accel import engine
+
+    carried = []
+    real = engine.verify_logits
+    monkeypatch.setattr(engine, "verify_logits",
+                        lambda *a: carried.append(any(x is not None for x in (a[-1] or []))) or real(*a))
+    ids = repetitive_prompt(2, 40)
+    plain = accel.generate(target, ids, strategies=[], max_new_tokens=20, eos_token_id=[])
+    out = accel.generate(target, ids, eos_token_id=[], max_new_tokens=20, max_draft_tokens=6,
+                         strategies=[PromptLookup(max_ngram=2, num_tokens=4), PaSS(embeddings=pass_dir)])
+    _same(plain, out)
+    assert out.stats.drafted_tokens > 0 and carried and not any(carried)

@@ -356,6 +356,7 @@ def allocate_drafts(
     drafter_ms: list[float] | None = None,
     min_nodes: int = 1,
     drafter_ms_per_token: list[float] | None = None,
+    extra_nodes: list[int] | None = None,
 ) -> list[int]:
     """How many draft tokens each row of a batch should verify in this step.
 
@@ -366,12 +367,16 @@ def allocate_drafts(
         at all (k_b > 0); rows that get no drafts do not pay it.
     drafter_ms_per_token[b] (optional): what each of row b's k_b draft tokens adds to that
         (a draft model runs one forward per token; see :class:`DraftCost`).
+    extra_nodes[b] (optional): query positions row b's tree carries on top of its k_b drafts
+    whenever it drafts at all (a look-ahead drafter's positions, PaSS): they widen the padded
+    pass like drafts do, and bring no accepted token of this step.
 
     The batched verify pass pads every row's tree to the step's largest, so a step that
     lets some row verify m drafts costs ``step_ms(B * (m + 1), cache_len)`` whatever the
     others verify: below the deepest row, draft tokens are free. The rule therefore picks
     one depth m (0 .. the largest cap) and gives every row ``min(m, its cap)`` drafts,
-    except rows whose expected gain does not pay for their drafter's own cost; it returns
+    except rows whose expected gain does not pay for their drafter's own cost (and, where
+    some rows carry look-ahead positions, it also tries each depth without them); it returns
     the allocation with the most expected tokens per millisecond,
     ``(B + sum of the chosen gains) / (step_ms(B * (m + 1)) + drafter ms of drafting rows)``.
     Rows may get 0, and m = 0 (plain decoding) wins whenever drafting does not pay.
@@ -389,7 +394,10 @@ def allocate_drafts(
         raise ValueError(f"drafter_ms_per_token has {len(drafter_ms_per_token)} entries for {rows} rows")
     if rows == 0:
         return []
+    if extra_nodes is not None and (len(extra_nodes) != rows or min(extra_nodes, default=0) < 0):
+        raise ValueError(f"extra_nodes must hold {rows} counts >= 0, got {extra_nodes}")
     caps = [min(max_per_row, len(g)) for g in gains]
+    extra = [int(x) for x in extra_nodes] if extra_nodes is not None else [0] * rows
     fixed = [float(x) for x in drafter_ms] if drafter_ms is not None else [0.0] * rows
     per_token = [float(x) for x in drafter_ms_per_token] if drafter_ms_per_token is not None else [0.0] * rows
 
@@ -403,21 +411,30 @@ def allocate_drafts(
     deepest = max(caps)
     if min_nodes < 1:
         raise ValueError(f"min_nodes must be >= 1, got {min_nodes}")
-    cost = table.curve(cache_len, rows * round_up(deepest + 1, min_nodes))
+    cost = table.curve(cache_len, rows * round_up(deepest + 1 + max(extra), min_nodes))
     best_ratio, best = rows / cost[rows * min_nodes], [0] * rows
-    for m in range(1, deepest + 1):
-        take = [b for b in range(rows) if caps[b] > 0 and prefix[b][min(m, caps[b])] > 0]
+    def settle(m: int, take: list[int]) -> tuple[float, list[int]]:
+        """Drop the rows whose gain does not pay for their own drafter, until none is left to drop."""
+        ratio = 0.0
         while take:
-            width = round_up(min(m, max(caps[b] for b in take)) + 1, min_nodes)
+            width = round_up(max(min(m, caps[b]) + extra[b] for b in take) + 1, min_nodes)
             value = rows + sum(prefix[b][min(m, caps[b])] for b in take)
             ratio = value / (cost[rows * width] + sum(own_ms(b, min(m, caps[b])) for b in take))
             keep = [b for b in take if prefix[b][min(m, caps[b])] >= ratio * own_ms(b, min(m, caps[b]))]
             if len(keep) == len(take):
                 break
             take = keep
-        if take and ratio > best_ratio * (1 + 1e-12):
-            best_ratio = ratio
-            best = [min(m, caps[b]) if b in take else 0 for b in range(rows)]
+        return ratio, take
+
+    for m in range(1, deepest + 1):
+        take = [b for b in range(rows) if caps[b] > 0 and prefix[b][min(m, caps[b])] > 0]
+        tries = [take]
+        if any(extra[b] for b in take):  # look-ahead positions widen every row's pass: try without them too
+            tries.append([b for b in take if not extra[b]])
+        for ratio, chosen in (settle(m, t) for t in tries):
+            if chosen and ratio > best_ratio * (1 + 1e-12):
+                best_ratio = ratio
+                best = [min(m, caps[b]) if b in chosen else 0 for b in range(rows)]
     return best
 
 
