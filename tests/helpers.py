@@ -28,7 +28,7 @@ import pytest
 import torch
 import yaml
 from pydantic import ConfigDict, Field
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import accel
 from accel import adapter
@@ -87,6 +87,20 @@ def make_tiny_model(seed: int = 0, num_kv_heads: int = 2, **overrides) -> LlamaF
     model.to(torch.float32)
     model.eval()
     return model
+
+
+def make_tiny_qwen2() -> Qwen2ForCausalLM:
+    """A random tiny ``Qwen2ForCausalLM`` (q/k/v projections with biases, set far from zero so
+    that a forward that skipped them would show), eval mode, float32."""
+    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        model = Qwen2ForCausalLM(cfg)
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    return model.eval()
 
 
 # Words of the tiny tokenizer, after its 6 special tokens; TINY_VOCAB ids in all.

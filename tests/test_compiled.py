@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import accel
 from accel import adapter
 from accel.kernels import compiled, invariance
-from helpers import left_padded, make_tiny_model, repetitive_prompt
+from helpers import left_padded, make_tiny_model, make_tiny_qwen2, repetitive_prompt
 from snapkv import SnapKV
 from speculative import PromptLookup
 
@@ -27,19 +26,7 @@ def _tokens(model, ids, strategies=(), **kw):
     return accel.generate(model, ids, max_new_tokens=NEW, strategies=list(strategies), **kw).sequences
 
 
-def _qwen2():
-    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(4)
-        model = Qwen2ForCausalLM(cfg)
-    for layer in model.model.layers:  # q/k/v biases must reach the lean step
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            torch.nn.init.normal_(proj.bias, std=0.5)
-    return model.eval()
-
-
-@pytest.mark.parametrize("make", [lambda: make_tiny_model(seed=3), _qwen2], ids=["llama", "qwen2_bias"])
+@pytest.mark.parametrize("make", [lambda: make_tiny_model(seed=3), make_tiny_qwen2], ids=["llama", "qwen2_bias"])
 def test_lean_step_matches_transformers_forward(make):
     model = make()
     ids = _prompts()

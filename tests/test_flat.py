@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP
 
 import accel
@@ -17,20 +16,8 @@ from accel.kernels import invariance
 from accel.steps import prefill, verify
 from accel.strategy import DraftProposal
 from accel.tree import DraftTree
-from helpers import make_tiny_model, repetitive_prompt
+from helpers import make_tiny_model, make_tiny_qwen2, repetitive_prompt
 from speculative import PromptLookup
-
-
-def _qwen2():
-    cfg = Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(4)
-        model = Qwen2ForCausalLM(cfg)
-    for layer in model.model.layers:  # biases that must reach the flat forward
-        for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-            torch.nn.init.normal_(proj.bias, std=0.5)
-    return model.eval()
 
 
 def _hidden(model, dtype, ordered, flat, monkeypatch):
@@ -58,7 +45,7 @@ def _hidden(model, dtype, ordered, flat, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bf16"])
-@pytest.mark.parametrize("make", [lambda: make_tiny_model(seed=3), _qwen2], ids=["llama", "qwen2_bias"])
+@pytest.mark.parametrize("make", [lambda: make_tiny_model(seed=3), make_tiny_qwen2], ids=["llama", "qwen2_bias"])
 def test_flat_forward_computes_transformers_numbers_bit_for_bit(make, dtype, monkeypatch):
     model = make().to(dtype)
     modes = [False] + ([True] if dtype == torch.bfloat16 and invariance.ordered(model) else [])
