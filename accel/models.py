@@ -44,6 +44,7 @@ __all__ = [
     "PACKAGED_MODELS",
     "PackagedModel",
     "prepacked",
+    "has_tokenizer_files",
     "ModelNotAvailableError",
     "cache_dir",
     "chat_ids",
@@ -181,7 +182,8 @@ def prepacked(model, prepack: bool | Literal["auto"]):
 # --------------------------------------------------------------------------------------------
 
 
-def _has_tokenizer_files(folder: Path) -> bool:
+def has_tokenizer_files(folder: Path) -> bool:
+    """Whether ``folder`` holds a tokenizer transformers can load (any of its files)."""
     return any((folder / name).exists() for name in _TOKENIZER_FILES)
 
 
@@ -215,7 +217,7 @@ def _load_checkpoint(
     model = _finish(model, dtype, device, where)
     tokenizer = None
     if is_folder:
-        if _has_tokenizer_files(Path(source)):
+        if has_tokenizer_files(Path(source)):
             tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True)
     else:  # a cached hub snapshot may hold no tokenizer: the model alone is still usable
         try:

@@ -70,10 +70,10 @@ _LOCK = threading.Lock()
 
 def _tokenizer_of(model: Any) -> Any:
     """The tokenizer saved beside an in-memory model's checkpoint, or None."""
-    from accel.models import _has_tokenizer_files
+    from accel.models import has_tokenizer_files
 
     path = getattr(model, "name_or_path", "") or ""
-    if not path or not Path(path).is_dir() or not _has_tokenizer_files(Path(path)):
+    if not path or not Path(path).is_dir() or not has_tokenizer_files(Path(path)):
         return None
     key = str(Path(path).resolve())
     with _LOCK:
