@@ -271,8 +271,9 @@ class _FlatLayer(tuple):
 def flat_layers(model: PreTrainedModel) -> tuple[list[_FlatLayer] | None, str]:
     """The decoder layers of ``model`` as the parts :func:`flat_forward` calls, or (None, why
     not): Llama-family layers (:data:`LEAN_ARCHITECTURES`: RMS norms, rotary attention with
-    q/k/v/o projections, a gated MLP) on an attention implementation of transformers'
-    registry, without sliding windows. The projections may be any modules (``nn.Linear``,
+    q/k/v/o projections, a gated MLP) on sdpa (or accel's packed sdpa, which
+    :func:`packed_gqa_attention` switches sdpa and flash-attention models to), without sliding
+    windows. The projections may be any modules (``nn.Linear``,
     :class:`accel.kernels.cpu.PackedLinear`, quantized layers)."""
     cfg = model.config.get_text_config(decoder=True)
     kind = getattr(cfg, "model_type", None)
@@ -280,8 +281,10 @@ def flat_layers(model: PreTrainedModel) -> tuple[list[_FlatLayer] | None, str]:
         return None, f"its architecture ({kind}) is not one of {', '.join(LEAN_ARCHITECTURES)}"
     if any(w is not None for w in layer_windows(model)):
         return None, "it has sliding-window layers"
-    if AttentionInterface._global_mapping.get(getattr(cfg, "_attn_implementation", None) or "eager") is None:
-        return None, f"its attention ({cfg._attn_implementation}) is not in transformers' registry"
+    impl = getattr(cfg, "_attn_implementation", None)
+    if impl not in ("sdpa", _PACKED) or AttentionInterface._global_mapping.get(impl) is None:
+        # flash-attention takes no additive masks; accel's calls run it as packed sdpa (packed_gqa_attention)
+        return None, f"its attention is {impl}, not sdpa"
     layers, why, _ = _structure(model)
     return layers, why
 
