@@ -339,8 +339,8 @@ def flat_forward(
         q = q_proj.forward(h).view(shape).transpose(1, 2)
         k = k_proj.forward(h).view(shape).transpose(1, 2)
         v = v_proj.forward(h).view(shape).transpose(1, 2)
-        q = (q * cos) + (_rotate_half(q) * sin)
-        k = (k * cos) + (_rotate_half(k) * sin)
+        q = (q * cos) + (rotate_half(q) * sin)
+        k = (k * cos) + (rotate_half(k) * sin)
         k, v = cache.update(k, v, idx)
         mask = attention_mask if uniform else cache.layer_mask(idx)
         out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
@@ -354,7 +354,8 @@ def _transformers_class(module: torch.nn.Module) -> bool:
     return type(module).__module__.startswith("transformers.")
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> [-x2, x1] of its two halves: rotary embeddings as Llama applies them."""
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 

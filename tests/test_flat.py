@@ -99,7 +99,7 @@ def test_layers_of_a_users_own_class_are_not_flattened():
     assert layers is None and "_ScaledMLP" in why
 
 
-def test_a_global_forward_hook_keeps_transformers_forward(monkeypatch):
+def test_a_global_forward_hook_keeps_transformers_forward():
     model = make_tiny_model(seed=5)
     assert not adapter.has_hooks(model)
     handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)

@@ -79,11 +79,6 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
-def _rotate(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
             kv_heads: int, scaling: float) -> torch.Tensor:
     """q [B, H_q, T, D] over keys, values [B, H_kv, S, D] under an additive mask
@@ -116,8 +111,8 @@ def decoder_step(ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: 
         q = F.linear(h, qw, qb).view(b, t, heads, head_dim).transpose(1, 2)
         k = F.linear(h, kw, kb).view(b, t, kv_heads, head_dim).transpose(1, 2)
         v = F.linear(h, vw, vb).view(b, t, kv_heads, head_dim).transpose(1, 2)
-        q = q * cos + _rotate(q) * sin
-        k = k * cos + _rotate(k) * sin
+        q = q * cos + adapter.rotate_half(q) * sin
+        k = k * cos + adapter.rotate_half(k) * sin
         torch.ops.accel.store_kv(kbuf, vbuf, k, v, column)
         if ordered is None:
             attn = _attend(q, kbuf[:b, :, :span], vbuf[:b, :, :span], mask, kv_heads, scaling)

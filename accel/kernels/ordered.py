@@ -261,9 +261,9 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
         sums.append(out.reshape(b, hkv, nd, d + 1, g, t).permute(0, 1, 4, 5, 2, 3))
 
     # what every layer of the forward shares: the gather's row indices, the values' buffer
-    index = _memo(layout, ("index", nd, tuple(key.shape), key.stride()), lambda: _gather_index(key, cols))
-    if value.shape != key.shape or value.stride() != key.stride():
-        index = None
+    index = None  # values laid out as the keys (the cache's buffers): one index for both
+    if value.shape == key.shape and value.stride() == key.stride():
+        index = _memo(layout, ("index", nd, tuple(key.shape), key.stride()), lambda: _gather_index(key, cols))
     nt = w // BLOCK
     vals = _memo(layout, ("vals", nd, hkv, d), lambda: _values_buffer((b, hkv, t, nt, d + 1, BLOCK), q.device))
     top, acc = _tail(q, key, value, cols, m_tail, scale, g, index, vals)
