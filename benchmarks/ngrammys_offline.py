@@ -29,6 +29,7 @@ import accel  # noqa: E402
 from accel.models import chat_ids, load_model  # noqa: E402
 from accel.strategy import DraftContext, DraftProposal  # noqa: E402
 from speculative import NGrammys  # noqa: E402
+from speculative.ngrammys import bigram_table, model_bigrams  # noqa: E402
 from speculative.train import held_out_prompts  # noqa: E402
 
 
@@ -57,6 +58,14 @@ def tokens_per_step(drafter: NGrammys, state, answers: list[tuple[list[int], int
     return emitted / steps
 
 
+def table_hits(table, answers: list[tuple[list[int], int]], ks=(1, 2, 4, 8)) -> str:
+    """How often the answer's next token is among the table row's top k for the current token."""
+    pairs = torch.tensor([(seq[i], seq[i + 1]) for seq, n in answers for i in range(n, len(seq) - 1)])
+    rows = table.tokens[pairs[:, 0]]
+    hit = rows == pairs[:, 1:]
+    return ", ".join(f"top-{k} {hit[:, :k].any(-1).float().mean():.1%}" for k in ks if k <= table.top_k)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=40)
@@ -79,6 +88,9 @@ def main() -> None:
         if path is not None:
             path.write_text(json.dumps(answers))
     print(f"{len(answers)} held-out chat prompts, up to {args.new} new tokens each (greedy), default model")
+    print("the next token among the bigram table's top k of the current token: "
+          f"after BOS {table_hits(bigram_table(model, 8, progress=False), answers)}; "
+          f"alone (format 1) {table_hits(model_bigrams(model, 8, progress=False, after_bos=False), answers)}")
     for k in args.top_k:
         drafter = NGrammys(top_k=k, num_tokens=max(args.budget))
         state = drafter.start(model, torch.tensor(answers[0][0][:1]))

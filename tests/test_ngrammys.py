@@ -10,7 +10,7 @@ import accel
 from accel.strategy import DraftContext, build_strategy
 from helpers import TINY_VOCAB, make_tiny_model
 from speculative import NGrammys, PromptLookup
-from speculative.ngrammys import BigramTable, bigram_table, model_bigrams
+from speculative.ngrammys import BigramTable, bigram_table, model_bigrams, sink_token
 
 
 @pytest.fixture
@@ -23,17 +23,28 @@ def _greedy(model, ids, new, strategies=()):
     return accel.generate(model, ids, strategies=list(strategies), max_new_tokens=new, eos_token_id=[])
 
 
-def test_the_table_is_the_models_top_k_after_each_token():
+@pytest.mark.parametrize("after_bos", [True, False])
+def test_the_table_is_the_models_top_k_after_each_token(after_bos):
     model = make_tiny_model()
-    table = model_bigrams(model, top_k=3, chunk=40, progress=False)
+    bos = model.config.bos_token_id
+    assert bos is not None
+    table = model_bigrams(model, top_k=3, chunk=40, progress=False, after_bos=after_bos)
     assert table.tokens.shape == (TINY_VOCAB, 3) and table.probs.shape == (TINY_VOCAB, 3)
     with torch.inference_mode():
         for v in (0, 7, 41, TINY_VOCAB - 1):
-            probs = torch.softmax(model(input_ids=torch.tensor([[v]])).logits[0, -1].float(), -1)
+            ids = [bos, v] if after_bos else [v]  # after BOS: position 0 is the attention sink, not context
+            probs = torch.softmax(model(input_ids=torch.tensor([ids])).logits[0, -1].float(), -1)
             top = probs.topk(3)
             assert table.tokens[v].tolist() == top.indices.tolist()
             torch.testing.assert_close(table.probs[v], top.values)
     assert (table.probs[:, :-1] >= table.probs[:, 1:]).all()
+
+
+def test_a_model_without_bos_gets_each_token_alone():
+    model = make_tiny_model()
+    model.config.bos_token_id = None
+    assert sink_token(model) is None
+    assert torch.equal(model_bigrams(model, 2, progress=False).tokens, model_bigrams(model, 2, progress=False, after_bos=False).tokens)
 
 
 def test_the_table_is_computed_once_and_cached_per_model(cache, monkeypatch):
