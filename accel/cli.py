@@ -100,6 +100,15 @@ def _calibrate(args: argparse.Namespace) -> int:
             for ti, t in enumerate(table.kernel_tokens):
                 kern.add_row(str(c), str(t), *(f"{g[ci][ti]:.1f}" for g in table.kernel_ms.values()))
         console.print(kern)
+    if table.batch_ms:
+        batch = Table(title=f"batch passes ({unit}), {table.batch_cache} cached entries per row: rows x tokens per row "
+                            "(in brackets: x the one-row pass of as many tokens)")
+        batch.add_column("rows", justify="right")
+        for t in table.batch_tokens:
+            batch.add_column(str(t), justify="right")
+        for r, row in zip(table.batch_rows, table.batch_ms):
+            batch.add_row(str(r), *(f"{x:.1f} ({table.batch_factor(r, t):.2f}x)" for t, x in zip(table.batch_tokens, row)))
+        console.print(batch)
     machine = key["machine"]
     quant = f" with {key['quantize']['scheme']} weights" if key.get("quantize") else ""
     console.print(f"model {args.model} ({key['model']['class']}), {key['device']['type']} {key['dtype']}{quant}, "

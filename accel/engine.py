@@ -578,7 +578,7 @@ class Batch:
             return
         rows = len(self.rows)
         emitted = sum(acc.accepted + 1 for acc in accs)
-        plain_ms = self.costs.step_ms(rows, self.cache.committed_length(0))
+        plain_ms = self.costs.pass_ms(rows, 1, self.cache.committed_length(0))
         self.guard.observe(any(t.num_drafts for t in trees), emitted / rows * plain_ms / max(elapsed * 1e3, 1e-6))
 
     def retire(self, row: Row) -> None:

@@ -473,6 +473,8 @@ def fake_measure(calls: list | None = None, packed: tuple[int, ...] = (), transp
         kernel_ms = {"plain": ((2.0,) * 3,), "transposed": ((transposed,) * 3,),
                      "packed": (tuple(1.0 if n in packed else 3.0 for n in tokens),),
                      "split": (tuple(0.5 if n in split else 4.0 for n in tokens),)}
-        return fake_table(tokens, [1.0, 2.0, 3.0], kernel_tokens=tokens, kernel_ms=kernel_ms)
+        # a batch of 8 rows x 2 tokens measured 1.5x the grid's one-row pass of 16 tokens
+        return fake_table(tokens, [1.0, 2.0, 3.0], kernel_tokens=tokens, kernel_ms=kernel_ms, batch_rows=(8,),
+                          batch_tokens=(1, 2), batch_ms=((2.0, 1.5 * (2.0 + 8 / 56)),), batch_cache=256)
 
     return measure

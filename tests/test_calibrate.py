@@ -155,6 +155,40 @@ def test_step_ms_interpolates_and_extrapolates_linearly():
     assert single.step_ms(1, 9999) == single.step_ms(64, 1) == 7.0
 
 
+def test_batch_passes_scale_the_grid_by_what_they_measured():
+    from dataclasses import replace
+
+    one_row = table([1, 8, 16], [10.0, 12.0, 14.0], cache_lens=(256,))
+    assert one_row.pass_ms(8, 2, 256) == one_row.step_ms(16, 256)  # no batch passes measured: tokens are tokens
+    # 8 rows x 1 token measured 12 ms (as the grid's 8 tokens), 8 rows x 2 tokens 18.2 ms (1.3x the grid's 16)
+    t = replace(one_row, batch_rows=(8,), batch_tokens=(1, 2), batch_ms=((12.0, 18.2),), batch_cache=256)
+    assert t.batch_factor(8, 1) == pytest.approx(1.0) and t.batch_factor(8, 2) == pytest.approx(1.3)
+    assert t.pass_ms(8, 2, 256) == pytest.approx(18.2)
+    assert t.batch_factor(8, 4) == pytest.approx(1.3)  # held past the measured tokens per row
+    assert t.batch_factor(16, 2) == pytest.approx(1.3)  # and past the most rows measured
+    assert t.batch_factor(1, 2) == 1.0 and t.batch_factor(4, 2) == pytest.approx(1 + 0.3 * 3 / 7)  # from 1.0 at one row
+    assert t.batch_curve(256, 8, 3) == pytest.approx([t.pass_ms(8, w, 256) for w in range(4)])
+    assert CostTable.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+    with pytest.raises(ValueError, match="batch_ms"):
+        replace(one_row, batch_rows=(8,), batch_tokens=(1, 2), batch_ms=((12.0,),), batch_cache=256)
+    with pytest.raises(ValueError, match="rows >= 2"):
+        replace(one_row, batch_rows=(1,), batch_tokens=(1,), batch_ms=((12.0,),), batch_cache=256)
+
+
+def test_a_batch_whose_tree_pass_measured_dearer_than_its_tokens_drafts_less():
+    from dataclasses import replace
+
+    # the one-row grid: 16 tokens cost 1.12x 8 tokens, so 8 rows accepting 20% of their first
+    # draft gain 1.2 / 1.12 by drafting one each; measured, a batch of 8 rows x 2 tokens costs
+    # 1.3x 8 rows x 1 token, so drafting loses
+    one_row = table([1, 8, 16], [38.0, 50.6, 56.8], cache_lens=(256,))
+    rows = [acceptance_gains(0.2, 4)] * 8
+    assert max(allocate_drafts(one_row, 256, rows, max_per_row=4)) >= 1
+    batched = replace(one_row, batch_rows=(8,), batch_tokens=(1, 2, 4), batch_ms=((50.6, 65.8, 90.0),), batch_cache=256)
+    assert allocate_drafts(batched, 256, rows, max_per_row=4) == [0] * 8
+    assert allocate_drafts(batched, 256, [acceptance_gains(0.2, 4)], max_per_row=4)[0] >= 1  # one row: the grid
+
+
 @pytest.mark.parametrize("bad", [
     dict(tokens=(1, 1), ms=((1.0, 1.0),)),
     dict(tokens=(2, 1), ms=((1.0, 1.0),)),
@@ -362,6 +396,11 @@ def test_a_real_measurement_on_a_tiny_model(one_thread, packed):
         if ti == 0:
             assert t.ms[0][0] == t.kernel_ms[name][0][0]
     assert t.step_ms(3, 100) > 0
+    # batch passes: every (rows, tokens per row) point of the defaults, over the first cache length
+    assert t.batch_rows == timing.DEFAULT_BATCH_ROWS and t.batch_tokens == timing.DEFAULT_BATCH_TOKENS
+    assert t.batch_cache == 16 and all(x > 0 for row in t.batch_ms for x in row)
+    assert len(t.batch_ms) == len(t.batch_rows) and all(len(r) == len(t.batch_tokens) for r in t.batch_ms)
+    assert timing.measure(model, tokens=(1, 2), cache_lens=(8,), repeats=1, batch_rows=()).batch_ms == ()
     assert is_prepacked(model) == packed and not is_transposed(model)  # the model is left with the kernels it had
     # a bf16 model: packed kernels too where this CPU multiplies bf16 natively; float16: plain only
     low = timing.measure(make_tiny_model().to(torch.bfloat16), tokens=(1, 2), cache_lens=(8,), repeats=1)
@@ -486,6 +525,7 @@ def test_cli_calibrate_prints_the_table_and_where_it_is_cached(calib_cache, monk
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert "verify pass" in out and "prefer_prepack: False" in out and str(calib_cache / "calibration") in out
+    assert "batch passes" in out and "(1.50x)" in out
     assert main(["calibrate", "--model", str(folder), "--threads", "0"]) == 2
 
 

@@ -39,7 +39,7 @@ from .cost_model import CostTable, static_table
 __all__ = ["calibration_enabled", "calibration_key", "calibration_path", "cost_table", "load_table",
            "prefer_int8", "save_table", "step_costs"]
 
-_FORMAT = 8  # 8: steps on the flat forward (adapter.flat_forward); 7: passes timed as verify runs them (ordered attention in bf16). Bump when the measurement changes meaning: older files are then re-measured
+_FORMAT = 9  # 9: batch passes (CostTable.batch_ms); 8: steps on the flat forward (adapter.flat_forward); 7: passes timed as verify runs them (ordered attention in bf16). Bump when the measurement changes meaning: older files are then re-measured
 _OFF = {"off", "0", "false", "no"}
 _ON = {"", "on", "1", "true", "yes", "auto"}
 

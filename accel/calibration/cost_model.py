@@ -60,6 +60,12 @@ class CostTable:
         appear (nothing but ``"plain"`` off a float32 CPU model).
     measured: False for :func:`static_table` (nominal units, shape only, not milliseconds).
     key: what the table was measured for (model identity, device, dtype, threads, machine).
+    batch_rows, batch_tokens, batch_ms, batch_cache: passes of several rows, each with its own
+        ``batch_cache`` cached entries and ``batch_tokens`` query tokens:
+        ``batch_ms[len(batch_rows)][len(batch_tokens)]`` ms, with the kernels ``ms`` chose.
+        A batch's verify pass costs more than one row's pass of as many tokens (every row
+        attends over a cache of its own, and ordered attention gathers each row's keys), so
+        :meth:`pass_ms` scales the grid by what these passes measured (empty: no scaling).
     """
 
     tokens: tuple[int, ...]
@@ -71,6 +77,10 @@ class CostTable:
     key: dict[str, Any] = field(default_factory=dict)
     seconds: float = 0.0  # time the measurement took
     load: float | None = None  # 1-minute load average when measured; above the core count, timings were disturbed
+    batch_rows: tuple[int, ...] = ()
+    batch_tokens: tuple[int, ...] = ()
+    batch_ms: tuple[tuple[float, ...], ...] = ()
+    batch_cache: int = 0
 
     def __post_init__(self) -> None:
         _check_axis("tokens", self.tokens)
@@ -82,6 +92,13 @@ class CostTable:
             if name not in KERNELS:
                 raise ValueError(f"kernel_ms: unknown kernels {name!r}")
             _check_grid(f"kernel_ms[{name}]", grid, len(self.cache_lens), len(self.kernel_tokens))
+        if self.batch_rows or self.batch_ms:
+            _check_axis("batch_rows", self.batch_rows)
+            _check_axis("batch_tokens", self.batch_tokens)
+            _check_grid("batch_ms", self.batch_ms, len(self.batch_rows), len(self.batch_tokens))
+            if self.batch_rows[0] < 2 or self.batch_tokens[0] < 1 or self.batch_cache < 1:
+                raise ValueError(f"batch passes need rows >= 2, tokens >= 1 and a cache length >= 1, got rows "
+                                 f"{self.batch_rows}, tokens {self.batch_tokens}, cache {self.batch_cache}")
 
     # ------------------------------------------------------------------ the model
 
@@ -94,6 +111,32 @@ class CostTable:
         """``[step_ms(n, cache_len) for n in range(max_tokens + 1)]``, computed at once."""
         row = self._at_cache(cache_len)
         return [_positive(_interp(self.tokens, row, n)) for n in range(max_tokens + 1)]
+
+    def pass_ms(self, rows: int, tokens_per_row: int, cache_len: int) -> float:
+        """Milliseconds of one verify pass of ``rows`` rows of ``tokens_per_row`` query tokens
+        each, every row over ``cache_len`` cached entries of its own: :meth:`step_ms` of all
+        the tokens, times :meth:`batch_factor`."""
+        return self.step_ms(rows * tokens_per_row, cache_len) * self.batch_factor(rows, tokens_per_row)
+
+    def batch_curve(self, cache_len: int, rows: int, max_width: int) -> list[float]:
+        """``[pass_ms(rows, w, cache_len) for w in range(max_width + 1)]``, computed at once
+        (index 0 holds a pass of no tokens, extrapolated; callers start at 1)."""
+        row = self._at_cache(cache_len)
+        return [_positive(_interp(self.tokens, row, rows * w)) * self.batch_factor(rows, w) for w in range(max_width + 1)]
+
+    def batch_factor(self, rows: int, tokens_per_row: int) -> float:
+        """What a pass of ``rows`` rows x ``tokens_per_row`` tokens measured against the grid's
+        one-row pass of as many tokens (:attr:`batch_ms`, at :attr:`batch_cache` entries):
+        interpolated over the measured tokens per row (held constant past them) and over rows
+        from 1.0 at one row (held constant past the most rows measured); 1.0 without batch
+        measurements."""
+        if rows <= 1 or not self.batch_rows or tokens_per_row < 1:
+            return 1.0
+        at_rows = []
+        for r, grid in zip(self.batch_rows, self.batch_ms):
+            factors = [ms / _positive(self.step_ms(r * t, self.batch_cache)) for t, ms in zip(self.batch_tokens, grid)]
+            at_rows.append(_interp_held(self.batch_tokens, factors, tokens_per_row))
+        return _interp_held((1, *self.batch_rows), [1.0, *at_rows], rows)
 
     def _at_cache(self, cache_len: int) -> list[float]:
         """The grid's column for each token count, interpolated to ``cache_len``: [len(tokens)]."""
@@ -170,6 +213,10 @@ class CostTable:
             "key": self.key,
             "seconds": self.seconds,
             "load": self.load,
+            "batch_rows": list(self.batch_rows),
+            "batch_tokens": list(self.batch_tokens),
+            "batch_ms": [list(r) for r in self.batch_ms],
+            "batch_cache": self.batch_cache,
         }
 
     @classmethod
@@ -186,6 +233,10 @@ class CostTable:
             key=dict(d.get("key", {})),
             seconds=float(d.get("seconds", 0.0)),
             load=None if d.get("load") is None else float(d["load"]),
+            batch_rows=tuple(int(x) for x in d.get("batch_rows", ())),
+            batch_tokens=tuple(int(x) for x in d.get("batch_tokens", ())),
+            batch_ms=tuple(tuple(float(x) for x in r) for r in d.get("batch_ms", ())),
+            batch_cache=int(d.get("batch_cache", 0)),
         )
 
 
@@ -372,7 +423,7 @@ def allocate_drafts(
     pass like drafts do, and bring no accepted token of this step.
 
     The batched verify pass pads every row's tree to the step's largest, so a step that
-    lets some row verify m drafts costs ``step_ms(B * (m + 1), cache_len)`` whatever the
+    lets some row verify m drafts costs ``pass_ms(B, m + 1, cache_len)`` whatever the
     others verify: below the deepest row, draft tokens are free. The rule therefore picks
     one depth m (0 .. the largest cap) and gives every row ``min(m, its cap)`` drafts,
     except rows whose expected gain does not pay for their drafter's own cost (and, where
@@ -411,15 +462,15 @@ def allocate_drafts(
     deepest = max(caps)
     if min_nodes < 1:
         raise ValueError(f"min_nodes must be >= 1, got {min_nodes}")
-    cost = table.curve(cache_len, rows * round_up(deepest + 1 + max(extra), min_nodes))
-    best_ratio, best = rows / cost[rows * min_nodes], [0] * rows
+    cost = table.batch_curve(cache_len, rows, round_up(deepest + 1 + max(extra), min_nodes))  # by tokens per row
+    best_ratio, best = rows / cost[min_nodes], [0] * rows
     def settle(m: int, take: list[int]) -> tuple[float, list[int]]:
         """Drop the rows whose gain does not pay for their own drafter, until none is left to drop."""
         ratio = 0.0
         while take:
             width = round_up(max(min(m, caps[b]) + extra[b] for b in take) + 1, min_nodes)
             value = rows + sum(prefix[b][min(m, caps[b])] for b in take)
-            ratio = value / (cost[rows * width] + sum(own_ms(b, min(m, caps[b])) for b in take))
+            ratio = value / (cost[width] + sum(own_ms(b, min(m, caps[b])) for b in take))
             keep = [b for b in take if prefix[b][min(m, caps[b])] >= ratio * own_ms(b, min(m, caps[b]))]
             if len(keep) == len(take):
                 break
@@ -590,6 +641,15 @@ def _interp(xs: tuple[int, ...], ys: list[float], x: float) -> float:
     i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
     x0, x1 = xs[i], xs[i + 1]
     return ys[i] + (ys[i + 1] - ys[i]) * (x - x0) / (x1 - x0)
+
+
+def _interp_held(xs: tuple[int, ...], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), held at the end values past both ends."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    return _interp(xs, ys, x)
 
 
 def _positive(ms: float) -> float:

@@ -26,13 +26,16 @@ from .cost_model import KERNELS, CostTable, chosen_kernels, monotone, packed_row
 from ..kernels.cpu import (PackedLinear, is_prepacked, is_transposed, packable_dtypes, prepack, prepack_available, transpose_weights, unprepack,
                   untranspose_weights)
 
-__all__ = ["DEFAULT_CACHE_LENS", "DEFAULT_TOKENS", "filled_cache", "linear_kernels",
+__all__ = ["DEFAULT_BATCH_ROWS", "DEFAULT_BATCH_TOKENS", "DEFAULT_CACHE_LENS", "DEFAULT_TOKENS", "filled_cache", "linear_kernels",
            "measure", "time_pass"]
 
 #: Query tokens per pass of the measured grid.
 DEFAULT_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 #: Cached entries of the measured grid.
 DEFAULT_CACHE_LENS = (256, 2048)
+#: Rows and tokens per row of the batch passes measured beside the grid (CostTable.batch_ms).
+DEFAULT_BATCH_ROWS = (4, 8)
+DEFAULT_BATCH_TOKENS = (1, 2, 4)
 
 
 @contextmanager
@@ -92,13 +95,13 @@ def _linears(model) -> dict[str, torch.nn.Module]:
     return {n: m for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear, PackedLinear))}
 
 
-def filled_cache(model, length: int, seed: int = 0) -> SharedCache:
-    """A :class:`~accel.cache.SharedCache` holding ``length`` committed entries of one row,
-    from a forward over random ids (their values do not matter for timing)."""
+def filled_cache(model, length: int, seed: int = 0, rows: int = 1) -> SharedCache:
+    """A :class:`~accel.cache.SharedCache` holding ``length`` committed entries in each of
+    ``rows`` rows, from a forward over random ids (their values do not matter for timing)."""
     geo = adapter.geometry(model)
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(seed)).to(geo.device)
-    positions = torch.arange(length, device=geo.device).unsqueeze(0)
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(seed)).to(geo.device)
+    positions = torch.arange(length, device=geo.device).unsqueeze(0).expand(rows, length)
     cache = SharedCache(geo.num_layers)
     cache.kv_align = invariance.kv_align(model)  # laid out as the engine lays out its caches
     cache.ordered = invariance.ordered(model)
@@ -109,26 +112,27 @@ def filled_cache(model, length: int, seed: int = 0) -> SharedCache:
 
 
 def time_pass(model, cache: SharedCache, tokens: int, repeats: int, warmup: int = 1) -> list[float]:
-    """Milliseconds of ``repeats`` verify passes of ``tokens`` query tokens each (after
-    ``warmup`` untimed ones) over ``cache``: ids [1, T], position ids [1, T] after the cache,
-    a chain of drafts (causal among the new tokens), the output head on every token, run as
-    a verify pass runs (:func:`accel.steps.forward_tokens`: with ordered attention where
-    ``cache.ordered``, which in bf16 costs a tree more than sdpa would). The entries appended
-    are rolled back each time."""
+    """Milliseconds of ``repeats`` verify passes of ``tokens`` query tokens per row of
+    ``cache`` (after ``warmup`` untimed ones): ids [B, T], position ids [B, T] after each
+    row's entries (every row as long as the first), a chain of drafts (causal among the new
+    tokens), the output head on every token, run as a verify pass runs
+    (:func:`accel.steps.forward_tokens`: with ordered attention where ``cache.ordered``, which
+    in bf16 costs a tree more than sdpa would). The entries appended are rolled back each time."""
     from ..steps import forward_tokens
 
     geo = adapter.geometry(model)
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(tokens)).to(geo.device)
-    positions = torch.arange(cache.logical_length, cache.logical_length + tokens, device=geo.device).unsqueeze(0)
-    chain = torch.ones(1, tokens, tokens, dtype=torch.bool, device=geo.device).tril() if tokens > 1 else None
+    rows, start = cache.batch_size, cache.logical_lengths[0]
+    ids = torch.randint(0, vocab, (rows, tokens), generator=torch.Generator().manual_seed(tokens)).to(geo.device)
+    positions = torch.arange(start, start + tokens, device=geo.device).unsqueeze(0).expand(rows, tokens)
+    chain = torch.ones(rows, tokens, tokens, dtype=torch.bool, device=geo.device).tril() if tokens > 1 else None
     times = []
     with torch.inference_mode(), adapter.packed_gqa_attention(model):
         for i in range(warmup + repeats):
             _sync(geo.device)
             start = time.perf_counter()
             hidden = forward_tokens(model, cache, ids, positions, chain, geo.dtype)
-            adapter.output_logits(model, hidden[0])
+            adapter.output_logits(model, hidden.reshape(-1, hidden.shape[-1]))
             _sync(geo.device)
             if i >= warmup:
                 times.append((time.perf_counter() - start) * 1e3)
@@ -142,6 +146,8 @@ def measure(
     cache_lens: tuple[int, ...] = DEFAULT_CACHE_LENS,
     repeats: int = 3,
     budget_s: float = 20.0,
+    batch_rows: tuple[int, ...] = DEFAULT_BATCH_ROWS,
+    batch_tokens: tuple[int, ...] = DEFAULT_BATCH_TOKENS,
 ) -> CostTable:
     """Measure a :class:`CostTable` for ``model`` (no cache files involved).
 
@@ -164,6 +170,11 @@ def measure(
     ~22 s, a 0.5B model ~50 s and a 1.5B one ~155 s; with the four, on the 2-core AMD EPYC
     (Zen 3), the default model took 30 s (25 s with three, the same hour). Cache lengths are
     capped so every pass fits the model's positions.
+
+    Then, with the kernels so chosen, passes of ``batch_rows`` rows x ``batch_tokens`` tokens
+    per row over the first cache length in every row (:attr:`CostTable.batch_ms`: what a
+    batch's verify pass costs beyond one row's pass of as many tokens), fastest of ``1 +
+    repeats`` alternating rounds; ``batch_rows=()`` skips them.
     """
     start = time.perf_counter()
     load = _load_average()
@@ -190,14 +201,41 @@ def measure(
                 for c, t in points:
                     samples[name][(c, t)] += time_pass(model, caches[c], tokens[t], repeats=1,
                                                        warmup=1 if round_ == 0 else 0)
-    kernel_ms = {name: tuple(tuple(min(samples[name][(c, t)]) for t in range(len(tokens)))
-                             for c in range(len(caches))) for name in names}
-    window, layout = packed_rows(tokens, kernel_ms), weight_layout(kernel_ms)
-    chosen = chosen_kernels(tokens, layout, window, split_rows(tokens, kernel_ms))
-    ms = [[kernel_ms[chosen[t]][c][t] for t in range(len(tokens))] for c in range(len(caches))]
+        kernel_ms = {name: tuple(tuple(min(samples[name][(c, t)]) for t in range(len(tokens)))
+                                 for c in range(len(caches))) for name in names}
+        window, layout, split = packed_rows(tokens, kernel_ms), weight_layout(kernel_ms), split_rows(tokens, kernel_ms)
+        chosen = chosen_kernels(tokens, layout, window, split)
+        batch_rows = tuple(sorted({r for r in batch_rows if r >= 2}))
+        batch_tokens = tuple(sorted({t for t in batch_tokens if t >= 1}))
+        batch_ms: tuple[tuple[float, ...], ...] = ()
+        if batch_rows and batch_tokens:
+            del caches  # (the one-row caches: memory for the batch's)
+            batch_ms = _batch_passes(model, use, batch_rows, batch_tokens, cache_lens[0], repeats,
+                                     lambda n: chosen_kernels((n,), layout, window, split)[0])
+    ms = [[kernel_ms[chosen[t]][c][t] for t in range(len(tokens))] for c in range(len(cache_lens))]
     return CostTable(tokens=tokens, cache_lens=cache_lens, ms=monotone(ms), kernel_tokens=tokens,
                      kernel_ms=kernel_ms, measured=True, seconds=round(time.perf_counter() - start, 2),
-                     load=_max(load, _load_average()))
+                     load=_max(load, _load_average()), batch_rows=batch_rows if batch_ms else (),
+                     batch_tokens=batch_tokens if batch_ms else (), batch_ms=batch_ms,
+                     batch_cache=cache_lens[0] if batch_ms else 0)
+
+
+def _batch_passes(model, use: Callable[[str], None], rows: tuple[int, ...], tokens: tuple[int, ...], cache_len: int,
+                  repeats: int, kernel_for: Callable[[int], str]) -> tuple[tuple[float, ...], ...]:
+    """ms [len(rows)][len(tokens)]: the fastest of ``1 + repeats`` passes of r rows x t tokens
+    per row over ``cache_len`` entries per row, each pass with the kernel ``kernel_for(r * t)``
+    (rounds alternate over the points; the points of one kernel run together)."""
+    caches = {r: filled_cache(model, cache_len, seed=r, rows=r) for r in rows}
+    points = sorted(((r, t) for r in rows for t in tokens), key=lambda p: kernel_for(p[0] * p[1]))
+    samples: dict[tuple[int, int], list[float]] = {p: [] for p in points}
+    for round_ in range(1 + max(1, repeats)):
+        current = None
+        for r, t in points:
+            if kernel_for(r * t) != current:
+                current = kernel_for(r * t)
+                use(current)
+            samples[(r, t)] += time_pass(model, caches[r], t, repeats=1, warmup=1 if round_ == 0 else 0)
+    return tuple(tuple(min(samples[(r, t)]) for t in tokens) for r in rows)
 
 
 def _fit_positions(model, cache_lens: tuple[int, ...], max_tokens: int) -> tuple[int, ...]:
