@@ -304,3 +304,53 @@ def test_a_new_row_probes_drafts_where_a_two_token_pass_is_dear_and_garbage_stop
                 row.observe(DraftTree.root_only(5), Acceptance(path=[0], next_token=1), draft_s=0.0)
     assert budgets["good"][:5] == [1, 2, 4, 8, 16]  # every draft accepted: the slow start doubles
     assert budgets["bad"][:3] == [1, 2, 4] and budgets["bad"][3:] == [0] * 5  # three probes, then none
+
+
+def test_new_requests_start_from_what_earlier_ones_accepted_on_the_model():
+    from accel import engine
+    from accel.calibration.cost_model import CostTable
+
+    # a two-token pass costs 1.74x a one-token one: only a row expecting much acceptance drafts
+    table = CostTable(tokens=(1, 2, 4, 8, 16), cache_lens=(256,), ms=((70.0, 122.0, 133.0, 141.0, 161.0),))
+    plan = engine.plan_strategies([PromptLookup()])
+    model = make_tiny_model(seed=5)
+
+    def new_row():
+        row = engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset())
+        engine.start_from_memory(model, row)
+        return row
+
+    assert engine.remembered_acceptance(model, new_row()) is None
+    assert engine.draft_budgets(table, 256, [new_row()], 16) == [1]  # nothing known: the optimistic probe
+    useless = new_row()
+    useless.hits, useless.misses, useless.drafted_steps = 0.05, 4.0, 6  # its drafts were rejected
+    engine.remember(model, useless)
+    memory = engine.remembered_acceptance(model, new_row())
+    assert memory.rate == pytest.approx(0.05 / 4.05) and memory.steps == 6
+    row = new_row()
+    assert row.prior_steps == 6 and engine.planning_rate(row) < 0.5
+    assert engine.draft_budgets(table, 256, [row], 16) == [0]  # no probe paid for again
+    assert engine.draft_budgets(table, 256, [new_row()], 16) == [0]
+    other = make_tiny_model(seed=6)  # another model (or drafter set) knows nothing yet
+    fresh = engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset())
+    engine.start_from_memory(other, fresh)
+    assert fresh.prior_steps == 0 and engine.draft_budgets(table, 256, [fresh], 16) == [1]
+    for _ in range(20):  # requests whose drafts were accepted lift the memory again
+        good = new_row()
+        good.hits, good.misses, good.drafted_steps = 6.0, 0.5, 8
+        engine.remember(model, good)
+    assert engine.remembered_acceptance(model, new_row()).steps == engine.PRIOR_STEPS
+    assert engine.draft_budgets(table, 256, [new_row()], 16) == [1]
+
+
+def test_the_engine_remembers_acceptance_across_generate_calls():
+    from accel import engine
+
+    model = make_tiny_model(seed=8)
+    prompt = repetitive_prompt(3, 40)
+    plan_row = engine.Row(prompt=prompt[0], plan=engine.plan_strategies([PromptLookup()]), max_new_tokens=8,
+                          eos=frozenset())
+    assert engine.remembered_acceptance(model, plan_row) is None
+    accel.generate(model, prompt, strategies=[PromptLookup()], max_new_tokens=24, eos_token_id=[])
+    memory = engine.remembered_acceptance(model, plan_row)
+    assert memory is not None and 0.0 <= memory.rate <= 1.0 and memory.steps >= 2
