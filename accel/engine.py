@@ -133,7 +133,9 @@ def start_from_memory(model, row: "Row") -> None:
     then costs a batch no probing steps in each new request (a batch verify pass of 8 rows x
     2 tokens measured 1.29x one of 8 x 1 on a 2-core Intel Xeon with AMX, bf16, so a row must
     expect 29% of its first draft accepted); one whose acceptance differs by request (prompt
-    lookup on a document, then on chat) still learns it from its own steps."""
+    lookup on a document, then on chat) still learns it from its own steps. The engine applies
+    it, as it runs the draft guard, only where calibration is on (measured costs); with
+    ``ACCEL_CALIBRATION=off`` every request starts from the same prior, so runs repeat."""
     memory = remembered_acceptance(model, row)
     if memory is not None:
         row.hits, row.misses = 2 * memory.rate, 2 * (1 - memory.rate)
@@ -396,7 +398,8 @@ class Batch:
         t0 = time.perf_counter()
         for r in rows:
             r.feature_layers, r.features = r.plan.feature_layers(self.model), None
-            start_from_memory(self.model, r)
+            if calibrate.calibration_enabled():  # as the draft guard: where steps are sized by measured costs
+                start_from_memory(self.model, r)
         reusable = [self._reuses(r) for r in rows]
         yield from self._share_within([r for r, ok in zip(rows, reusable) if ok])
         matches = [self.prefixes.match(r.prompt) if ok else None for r, ok in zip(rows, reusable)]

@@ -354,3 +354,18 @@ def test_the_engine_remembers_acceptance_across_generate_calls():
     accel.generate(model, prompt, strategies=[PromptLookup()], max_new_tokens=24, eos_token_id=[])
     memory = engine.remembered_acceptance(model, plan_row)
     assert memory is not None and 0.0 <= memory.rate <= 1.0 and memory.steps >= 2
+
+
+@pytest.mark.parametrize("calibration", ["off", "on"])
+def test_admitted_rows_start_from_memory_only_where_costs_are_measured(monkeypatch, calibration):
+    from accel import engine
+    from accel.calibration import calibrate
+    from helpers import fake_table
+
+    monkeypatch.setenv("ACCEL_CALIBRATION", calibration)
+    monkeypatch.setattr(calibrate, "step_costs", lambda model: fake_table([1, 64], [10.0, 10.0]))
+    started = []
+    monkeypatch.setattr(engine, "start_from_memory", lambda model, row: started.append(row))
+    model = make_tiny_model(seed=9)
+    accel.generate(model, repetitive_prompt(4, 30), strategies=[PromptLookup()], max_new_tokens=4, eos_token_id=[])
+    assert len(started) == (1 if calibration == "on" else 0)
