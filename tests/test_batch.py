@@ -315,8 +315,8 @@ def test_new_requests_start_from_what_earlier_ones_accepted_on_the_model():
     plan = engine.plan_strategies([PromptLookup()])
     model = make_tiny_model(seed=5)
 
-    def new_row():
-        row = engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset())
+    def new_row():  # a row of a batch of 5-8
+        row = engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset(), memory_bucket=8)
         engine.start_from_memory(model, row)
         return row
 
@@ -331,8 +331,12 @@ def test_new_requests_start_from_what_earlier_ones_accepted_on_the_model():
     assert row.prior_steps == 6 and engine.planning_rate(row) < 0.5
     assert engine.draft_budgets(table, 256, [row], 16) == [0]  # no probe paid for again
     assert engine.draft_budgets(table, 256, [new_row()], 16) == [0]
+    for bucket in (4, 1):  # another batch size learns apart; a row alone keeps the optimistic prior
+        apart = engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset(), memory_bucket=bucket)
+        engine.start_from_memory(model, apart)
+        assert apart.prior_steps == 0 and engine.draft_budgets(table, 256, [apart], 16) == [1]
     other = make_tiny_model(seed=6)  # another model (or drafter set) knows nothing yet
-    fresh = engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset())
+    fresh = engine.Row(prompt=torch.arange(10), plan=plan, max_new_tokens=64, eos=frozenset(), memory_bucket=8)
     engine.start_from_memory(other, fresh)
     assert fresh.prior_steps == 0 and engine.draft_budgets(table, 256, [fresh], 16) == [1]
     for _ in range(20):  # requests whose drafts were accepted lift the memory again
@@ -347,13 +351,15 @@ def test_the_engine_remembers_acceptance_across_generate_calls():
     from accel import engine
 
     model = make_tiny_model(seed=8)
-    prompt = repetitive_prompt(3, 40)
-    plan_row = engine.Row(prompt=prompt[0], plan=engine.plan_strategies([PromptLookup()]), max_new_tokens=8,
-                          eos=frozenset())
+    prompts = [repetitive_prompt(3, 40)[0], repetitive_prompt(4, 40)[0]]
+    plan_row = engine.Row(prompt=prompts[0], plan=engine.plan_strategies([PromptLookup()]), max_new_tokens=8,
+                          eos=frozenset(), memory_bucket=2)
     assert engine.remembered_acceptance(model, plan_row) is None
-    accel.generate(model, prompt, strategies=[PromptLookup()], max_new_tokens=24, eos_token_id=[])
-    memory = engine.remembered_acceptance(model, plan_row)
+    accel.generate(model, torch.stack(prompts), strategies=[PromptLookup()], max_new_tokens=24, eos_token_id=[])
+    memory = engine.remembered_acceptance(model, plan_row)  # a batch of two
     assert memory is not None and 0.0 <= memory.rate <= 1.0 and memory.steps >= 2
+    plan_row.memory_bucket = 4
+    assert engine.remembered_acceptance(model, plan_row) is None
 
 
 @pytest.mark.parametrize("calibration", ["off", "on"])
