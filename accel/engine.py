@@ -131,7 +131,8 @@ def remembered_acceptance(model, row: "Row") -> AcceptanceMemory | None:
     optimistic prior (None here): its probes cost one row little (a two-token pass 1.04x a
     one-token one on the AMX Xeon in bf16), and they pay on the prompts where a drafter does
     well (Medusa + prompt lookup on one row, started from remembered acceptance, ran 2-4%
-    slower than from the prior in three of four alternating rounds on the AMX Xeon)."""
+    slower than from the prior in three of four alternating rounds on the AMX Xeon at e7fc0b0:
+    ``python benchmarks/acceptance_memory.py --strategy medusa:heads=default --strategy prompt_lookup``)."""
     key = _memory_key(row)
     return _MEMORIES.get(model, {}).get(key) if key else None
 
@@ -409,10 +410,11 @@ class Batch:
             return
         t0 = time.perf_counter()
         bucket = 1 << max(len(self.rows) + len(rows) - 1, 0).bit_length()
+        remembers = calibrate.calibration_enabled()  # as the draft guard: where steps are sized by measured costs
         for r in rows:
             r.feature_layers, r.features = r.plan.feature_layers(self.model), None
             r.memory_bucket = bucket
-            if calibrate.calibration_enabled():  # as the draft guard: where steps are sized by measured costs
+            if remembers:
                 start_from_memory(self.model, r)
         reusable = [self._reuses(r) for r in rows]
         yield from self._share_within([r for r, ok in zip(rows, reusable) if ok])

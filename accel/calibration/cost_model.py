@@ -29,6 +29,7 @@ choices with hand-made tables.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field, replace
@@ -132,11 +133,15 @@ class CostTable:
         measurements."""
         if rows <= 1 or not self.batch_rows or tokens_per_row < 1:
             return 1.0
-        at_rows = []
-        for r, grid in zip(self.batch_rows, self.batch_ms):
-            factors = [ms / _positive(self.step_ms(r * t, self.batch_cache)) for t, ms in zip(self.batch_tokens, grid)]
-            at_rows.append(_interp_held(self.batch_tokens, factors, tokens_per_row))
+        at_rows = [_interp_held(self.batch_tokens, factors, tokens_per_row) for factors in self._batch_factors]
         return _interp_held((1, *self.batch_rows), [1.0, *at_rows], rows)
+
+    @functools.cached_property
+    def _batch_factors(self) -> list[list[float]]:
+        """[len(batch_rows)][len(batch_tokens)]: each batch pass over the grid's one-row pass of
+        as many tokens (computed once: allocation reads it every drafting step)."""
+        return [[ms / _positive(self.step_ms(r * t, self.batch_cache)) for t, ms in zip(self.batch_tokens, grid)]
+                for r, grid in zip(self.batch_rows, self.batch_ms)]
 
     def _at_cache(self, cache_len: int) -> list[float]:
         """The grid's column for each token count, interpolated to ``cache_len``: [len(tokens)]."""
