@@ -364,13 +364,27 @@ def output_logits(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     """The model's output head on hidden states [..., H] -> float32 logits [..., V]."""
     logits = model.get_output_embeddings()(hidden)
     cfg = model.config.get_text_config(decoder=True)
-    scale = getattr(cfg, "logits_scaling", None)  # Granite divides its logits
-    if scale and scale != 1:
+    scale = logits_scale(model)  # Granite divides its logits
+    if scale != 1:
         logits = logits / scale
     cap = getattr(cfg, "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return logits.float()
+
+
+def final_norm_weight(model: PreTrainedModel) -> torch.Tensor | None:
+    """The weight of the norm the decoder applies before the output head ([H]), or None when
+    the decoder has no RMS/LayerNorm-style ``norm`` with a weight."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    weight = getattr(norm, "weight", None)
+    return weight if isinstance(weight, torch.Tensor) else None
+
+
+def logits_scale(model: PreTrainedModel) -> float:
+    """What the model divides its output head's logits by (Granite's ``logits_scaling``; 1 else)."""
+    scale = getattr(model.config.get_text_config(decoder=True), "logits_scaling", None)
+    return float(scale) if scale else 1.0
 
 
 def make_warpers(temperature: float, top_k: int | None, top_p: float | None) -> Callable[[torch.Tensor], torch.Tensor] | None:

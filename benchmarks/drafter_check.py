@@ -28,6 +28,53 @@ from accel.strategy import build_strategies  # noqa: E402
 from speculative.train import held_out_prompts  # noqa: E402
 
 
+class Tally:
+    """Per configuration: decode tokens and seconds, verify steps, tokens emitted, exact outputs."""
+
+    def __init__(self, n: int):
+        self.tokens, self.seconds = [0] * n, [0.0] * n
+        self.steps, self.emitted, self.exact = [0] * n, [0] * n, [0] * n
+        self.prompts = 0
+
+
+def compare(model, tok, names, runs, prompts, new: int, after_prompt=None) -> Tally:
+    """Runs every configuration of ``runs`` (``runs[0]`` plain decoding) on each prompt, their
+    order rotating from prompt to prompt, after one warm-up call each; prints a line per prompt.
+    ``after_prompt(ids, results)`` sees each prompt's results (index -> GenerateOutput)."""
+    warm = chat_ids(tok, "Hello!")
+    for strategies in runs:  # first calls: tables, heads and kernels loaded before timing
+        accel.generate(model, warm, strategies=strategies, max_new_tokens=4, tokenizer=tok)
+    t = Tally(len(runs))
+    for i, prompt in enumerate(prompts):
+        ids = chat_ids(tok, prompt)
+        results = {}
+        for k in [(i + j) % len(runs) for j in range(len(runs))]:
+            results[k] = accel.generate(model, ids, strategies=runs[k], max_new_tokens=new, tokenizer=tok)
+        for k, r in results.items():
+            t.tokens[k] += r.stats.decode_tokens
+            t.seconds[k] += r.stats.decode_s
+            t.steps[k] += r.stats.verify_steps
+            t.emitted[k] += r.stats.accepted_tokens + r.stats.verify_steps
+            t.exact[k] += int(torch.equal(r.sequences, results[0].sequences))
+        t.prompts += 1
+        if after_prompt is not None:
+            after_prompt(ids, results)
+        print(f"  [{i:2d}] " + "  ".join(f"{names[k]} {results[k].stats.mean_accepted:.2f}/step" for k in range(1, len(runs))),
+              flush=True)
+    return t
+
+
+def report(names, t: Tally) -> None:
+    """One line for plain decoding's rate, one per configuration: tokens per verify step
+    (bonus included), exact outputs, decode tok/s and its ratio to plain."""
+    plain_rate = t.tokens[0] / t.seconds[0]
+    print(f"plain: {plain_rate:.1f} tok/s")
+    for k in range(1, len(names)):
+        rate = t.tokens[k] / t.seconds[k]
+        print(f"{names[k]}: {t.emitted[k] / t.steps[k]:.2f} tokens/step | exact {t.exact[k]}/{t.prompts} | "
+              f"{rate:.1f} tok/s = {rate / plain_rate:.2f}x plain")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strategy", action="append", required=True, help="comma-separated strategy specs (repeatable)")
@@ -40,40 +87,12 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok = load_model(args.model, dtype=args.dtype)
-    configs = [build_strategies(s.split(",")) for s in args.strategy]
     names = ["plain"] + args.strategy
-    runs = [[]] + configs
-    warm = chat_ids(tok, "Hello!")
-    for strategies in runs:  # first calls: tables, heads and kernels loaded before timing
-        accel.generate(model, warm, strategies=strategies, max_new_tokens=4, tokenizer=tok)
+    runs = [[]] + [build_strategies(s.split(",")) for s in args.strategy]
     prompts = held_out_prompts()[: args.prompts]
-    tokens = [0] * len(runs)
-    seconds = [0.0] * len(runs)
-    steps = [0] * len(runs)
-    emitted = [0] * len(runs)
-    exact = [0] * len(runs)
     print(f"{len(prompts)} held-out chat prompts, {args.new} new tokens, {args.model} {args.dtype}, "
           f"{torch.get_num_threads()} threads", flush=True)
-    for i, prompt in enumerate(prompts):
-        ids = chat_ids(tok, prompt)
-        order = [(i + j) % len(runs) for j in range(len(runs))]
-        results = {}
-        for k in order:
-            results[k] = accel.generate(model, ids, strategies=runs[k], max_new_tokens=args.new, tokenizer=tok)
-        for k, r in results.items():
-            tokens[k] += r.stats.decode_tokens
-            seconds[k] += r.stats.decode_s
-            steps[k] += r.stats.verify_steps
-            emitted[k] += r.stats.accepted_tokens + r.stats.verify_steps
-            exact[k] += int(torch.equal(r.sequences, results[0].sequences))
-        print(f"  [{i:2d}] " + "  ".join(f"{names[k]} {results[k].stats.mean_accepted:.2f}/step" for k in range(1, len(runs))),
-              flush=True)
-    plain_rate = tokens[0] / seconds[0]
-    print(f"plain: {plain_rate:.1f} tok/s")
-    for k in range(1, len(runs)):
-        rate = tokens[k] / seconds[k]
-        print(f"{names[k]}: {emitted[k] / steps[k]:.2f} tokens/step | exact {exact[k]}/{len(prompts)} | "
-              f"{rate:.1f} tok/s = {rate / plain_rate:.2f}x plain")
+    report(names, compare(model, tok, names, runs, prompts, args.new))
 
 
 if __name__ == "__main__":

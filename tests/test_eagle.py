@@ -285,3 +285,65 @@ def test_training_lowers_the_loss_resumes_and_its_draft_is_accepted(tmp_path):
     out = accel.generate(model, ids, strategies=[Eagle(draft=str(tmp_path))], max_new_tokens=24, max_draft_tokens=12)
     _same(plain, out)
     assert out.stats.mean_accepted > 1.5  # it learned the target's answers
+    # what eagle_check.py prints: the trained draft's top-1 per depth on the target's own text
+    from speculative.eagle.train import target_features, ttt_hits
+
+    seq = plain.sequences[:1, : ids[0].numel() + plain.row_stats[0].new_tokens]
+    learn = torch.zeros_like(seq, dtype=torch.bool)
+    learn[0, ids[0].numel() + 1:] = True  # the tokens drafts are for: the first one is each step's root
+    feats = target_features(model, seq, [seq.shape[1]], layer.spec.layer_ids)
+    embed = model.get_input_embeddings().weight.float()
+    trained = ttt_hits(layer, embed, feats, seq, learn, 3)
+    fresh = ttt_hits(new_layer(model, vocab_ids=torch.arange(64), seed=0), embed, feats, seq, learn, 3)
+    assert [n for _, n in trained] == [n for _, n in fresh] == [plain.row_stats[0].new_tokens - 1] * 3
+    assert trained[0][0] / trained[0][1] > 0.6 > fresh[0][0] / fresh[0][1]
+
+
+def test_a_warm_started_draft_reads_the_targets_head_off_its_high_features(target):
+    """warm_start: the target's head and final norm, ``fc`` passing the high feature layer
+    through and both residual branches zero: the fresh draft's step-0 logits are the target's
+    own head on those features (a logit lens), over its draft vocabulary."""
+    from accel import adapter
+    from speculative.eagle import warm_start
+    from speculative.eagle.train import target_features, ttt_hits, ttt_unroll
+
+    V, H = target.config.vocab_size, target.config.hidden_size
+    plain = accel.generate(target, [random_prompt(5, 12)[0]], strategies=[], max_new_tokens=20, eos_token_id=[])
+    seq = plain.sequences.clone()
+    embed = target.get_input_embeddings().weight.detach().float()
+    vocab = torch.arange(0, V, 2)
+    warm = warm_start(new_layer(target, vocab_ids=vocab, seed=3), target)
+    cold = new_layer(target, vocab_ids=vocab, seed=3)
+    feats = target_features(target, seq, [seq.shape[1]], warm.spec.layer_ids)
+    with torch.no_grad():
+        lens = adapter.output_logits(target, target.get_decoder().norm(feats[..., -H:]))[0, :-1, vocab]
+        (_, got, _), (_, fresh, _) = next(ttt_unroll(warm, embed, feats, seq, 1)), next(ttt_unroll(cold, embed, feats, seq, 1))
+    assert got.shape[1:] == lens[:-1].shape
+    torch.testing.assert_close(got[0], lens[:-1], rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(fresh[0], lens[:-1], atol=1e-2)
+    assert ttt_hits(warm, embed, feats, seq, torch.ones_like(seq, dtype=torch.bool), 1, top_k=V)[0] == \
+        (int((seq[0, 2:] % 2 == 0).sum()), seq.shape[1] - 2)  # top V: every token of the draft vocabulary
+    with pytest.raises(ValueError, match="EAGLE-3"):
+        warm_start(EagleLayer(EagleSpec(kind="eagle1", hidden_size=H, intermediate_size=128, num_heads=4, num_kv_heads=2,
+                                        head_dim=16, vocab_size=V, draft_vocab_size=V, target_hidden_size=H,
+                                        layer_ids=(FINAL_HIDDEN,))), target)
+
+
+# --------------------------------------------------------------------------- the default draft
+
+
+def test_eagle_without_a_folder_names_the_default_draft_and_how_to_train_one(monkeypatch, tmp_path):
+    """``Eagle()`` reads ``speculative/heads/eagle``; where no draft is there (none ships yet:
+    docs/EAGLE.md), the check names the command that trains one."""
+    from speculative.eagle import formats
+
+    assert Eagle().draft == "default" == accel.build_strategy("eagle").draft
+    assert formats.resolve_draft_dir(str(tmp_path)) == tmp_path
+    monkeypatch.setattr(formats, "DEFAULT_DRAFT_DIR", tmp_path / "none")
+    with pytest.raises(ValueError, match=r"eagle\.draft: no EAGLE draft is shipped .*accel train-eagle"):
+        Eagle().check(make_tiny_model(num_hidden_layers=LAYERS))
+    # a draft saved there is the default
+    layer = new_layer(make_tiny_model(num_hidden_layers=LAYERS), vocab_ids=torch.arange(64), seed=0)
+    save_eagle(layer, tmp_path / "none")
+    assert formats.resolve_draft_dir("default") == tmp_path / "none"
+    Eagle().check(make_tiny_model(num_hidden_layers=LAYERS))

@@ -12,6 +12,6 @@ One concern a file:
 
 from .drafter import Eagle, load_eagle
 from .formats import read_eagle, save_eagle
-from .layer import EagleLayer, EagleSpec, default_layer_ids, new_layer
+from .layer import EagleLayer, EagleSpec, default_layer_ids, new_layer, warm_start
 
-__all__ = ["Eagle", "EagleLayer", "EagleSpec", "default_layer_ids", "load_eagle", "new_layer", "read_eagle", "save_eagle"]
+__all__ = ["Eagle", "EagleLayer", "EagleSpec", "default_layer_ids", "load_eagle", "new_layer", "read_eagle", "save_eagle", "warm_start"]

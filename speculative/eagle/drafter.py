@@ -35,7 +35,7 @@ from pydantic import Field, field_validator
 from accel.acceptance import draw_from
 from accel.strategy import DraftContext, DraftProposal, Drafter, register
 
-from .formats import read_eagle
+from .formats import read_eagle, resolve_draft_dir
 from .layer import EagleLayer, default_layer_ids
 
 __all__ = ["Eagle", "load_eagle"]
@@ -46,9 +46,9 @@ _LOCK = threading.Lock()
 
 def load_eagle(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> EagleLayer:
-    """The draft in ``path`` in ``dtype`` on ``device``, read once per process (again when
-    its files change)."""
-    folder = Path(path).expanduser().resolve()
+    """The draft in ``path`` (``"default"``: the one shipped for the default model) in
+    ``dtype`` on ``device``, read once per process (again when its files change)."""
+    folder = resolve_draft_dir(path).resolve()
     stamp = tuple((f.name, f.stat().st_mtime_ns) for f in sorted(folder.glob("*")) if f.is_file()) \
         if folder.is_dir() else ()
     key = (str(folder), stamp, dtype, str(torch.device(device)))
@@ -102,13 +102,14 @@ class Eagle(Drafter):
     """An EAGLE draft layer drafts a dynamic tree from the target's own hidden states.
 
     ``draft`` is a folder in the EAGLE-3 format (``accel train-eagle`` writes one; vLLM's and
-    SGLang's EAGLE-3 checkpoints load as they are) or an EAGLE-1 checkpoint. Lossless: the
-    verifier decides.
+    SGLang's EAGLE-3 checkpoints load as they are) or an EAGLE-1 checkpoint; ``"default"``
+    (``Eagle()``) is the draft shipped for the default model. Lossless: the verifier decides.
     """
 
     name: ClassVar[str] = "eagle"
 
-    draft: str = Field(description="folder of the EAGLE draft (EAGLE-3 format, or an EAGLE-1 checkpoint)")
+    draft: str = Field("default", description="folder of the EAGLE draft (EAGLE-3 format, or an EAGLE-1 checkpoint), "
+                                              "or 'default': the draft shipped for the default model")
     max_nodes: int = Field(16, ge=1, le=1024, description="draft nodes per verify step at most (the engine's budget may cut it)")
     depth: int = Field(6, ge=1, le=64, description="draft depth at most (tree levels; a sampled chain's length)")
     top_k: int = Field(8, ge=1, le=64, description="nodes expanded per depth and children per expanded node")

@@ -33,12 +33,27 @@ from accel.strategy import FINAL_HIDDEN
 
 from .layer import EagleLayer, EagleSpec
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "EAGLE3_ARCH", "read_eagle", "save_eagle", "read_spec"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "EAGLE3_ARCH", "DEFAULT_DRAFT_DIR", "resolve_draft_dir", "read_eagle",
+           "save_eagle", "read_spec"]
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHT_FILES = (WEIGHTS_NAME, "pytorch_model.bin")
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
+# The draft shipped for the default model (``accel train-eagle --model default``; its config's
+# ``accel_training`` says how it was made).
+DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent.parent / "heads" / "eagle"
+
+
+def resolve_draft_dir(draft: str | os.PathLike) -> Path:
+    """The folder named by ``draft``: ``"default"`` is the draft shipped for the default model,
+    anything else a path (checked when read)."""
+    if os.fspath(draft) == "default":
+        if not (DEFAULT_DRAFT_DIR / CONFIG_NAME).is_file():
+            raise FileNotFoundError(f"no EAGLE draft is shipped in '{DEFAULT_DRAFT_DIR}'; train one with "
+                                    "`accel train-eagle --model default --out DIR` and pass draft=DIR")
+        return DEFAULT_DRAFT_DIR
+    return Path(draft).expanduser()
 
 
 def _read_config(folder: Path) -> dict[str, Any]:

@@ -30,7 +30,7 @@ from torch import nn
 
 from accel import adapter
 
-__all__ = ["EagleSpec", "EagleLayer", "default_layer_ids", "new_layer", "rms_norm"]
+__all__ = ["EagleSpec", "EagleLayer", "default_layer_ids", "new_layer", "rms_norm", "warm_start"]
 
 
 def default_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -229,3 +229,31 @@ def new_layer(model: Any, vocab_ids: torch.Tensor | None = None, layer_ids: tupl
                     nn.init.zeros_(m.bias)
     layer.d2t.copy_(ids - torch.arange(ids.numel()))
     return layer.eval()
+
+
+@torch.no_grad()
+def warm_start(layer: EagleLayer, model: Any) -> EagleLayer:
+    """Start an EAGLE-3 ``layer`` where the target ends (as Medusa heads start): its
+    ``lm_head`` the target's output rows of the draft vocabulary, its ``norm`` the target's
+    final norm, ``fc`` passing the highest feature layer through, and the layer's two
+    residual branches (``o_proj``, ``down_proj``) zero, so the fresh draft reads the target's
+    own next-token guess off its high features. Training then only has to learn the step
+    ahead; a random head over the draft vocabulary has to learn the output space first.
+    Parts whose shapes do not match the target stay as they are. Returns ``layer``."""
+    if not layer.eagle3:
+        raise ValueError("warm_start is for EAGLE-3 layers (EAGLE-1 reads the target's own head)")
+    spec = layer.spec
+    head = getattr(model.get_output_embeddings(), "weight", None)
+    ids = layer.draft_to_target(torch.arange(spec.draft_vocab_size, device=layer.d2t.device))
+    if head is not None and head.shape[1] == spec.hidden_size:
+        layer.lm_head.weight.copy_(head.detach()[ids.to(head.device)].to(layer.lm_head.weight) / adapter.logits_scale(model))
+    norm = adapter.final_norm_weight(model)
+    if norm is not None and norm.shape == layer.norm.weight.shape:
+        layer.norm.weight.copy_(norm.detach().to(layer.norm.weight))
+    H, Ht, k = spec.hidden_size, spec.target_hidden_size, len(spec.layer_ids)
+    if H == Ht and layer.fc.weight.shape == (H, k * Ht):
+        layer.fc.weight.zero_()
+        layer.fc.weight[:, (k - 1) * Ht :] = torch.eye(H, dtype=layer.fc.weight.dtype, device=layer.fc.weight.device)
+    layer.midlayer.self_attn.o_proj.weight.zero_()
+    layer.midlayer.mlp.down_proj.weight.zero_()
+    return layer

@@ -40,9 +40,10 @@ from accel import adapter
 from accel.dtypes import as_dtype
 
 from .formats import read_eagle, save_eagle
-from .layer import EagleLayer, new_layer
+from .layer import EagleLayer, new_layer, warm_start
 
-__all__ = ["EagleTrainConfig", "answer_prompts", "draft_vocabulary", "ttt_loss", "train_eagle", "run_cli"]
+__all__ = ["EagleTrainConfig", "answer_prompts", "draft_vocabulary", "target_features", "ttt_unroll", "ttt_loss",
+           "ttt_hits", "train_eagle", "run_cli"]
 
 
 @dataclass
@@ -67,19 +68,23 @@ class EagleTrainConfig:
     seed: int = 0
     threads: int | None = None
     save_dtype: str = "bfloat16"
+    # "target": start where the target ends (layer.warm_start); "frozen": so, and keep the head
+    # and final norm the target's (only fc and the decoder layer learn); "random"
+    init: str = "target"
 
     def check(self) -> None:
         bad = [name for name, ok in (("max_new_tokens", self.max_new_tokens >= 2), ("gen_batch_size", self.gen_batch_size >= 1),
                                      ("draft_vocab", self.draft_vocab >= 2), ("ttt_steps", self.ttt_steps >= 1),
                                      ("max_len", self.max_len >= 4), ("batch_size", self.batch_size >= 1),
                                      ("epochs", self.epochs > 0), ("lr", self.lr > 0), ("decay", 0 < self.decay <= 1),
-                                     ("checkpoint_every", self.checkpoint_every >= 0)) if not ok]
+                                     ("checkpoint_every", self.checkpoint_every >= 0),
+                                     ("init", self.init in ("target", "frozen", "random"))) if not ok]
         if bad:
             raise ValueError(f"train-eagle: invalid {', '.join(bad)}")
 
 
 _RUN_KEYS = ("model", "max_new_tokens", "draft_vocab", "ttt_steps", "decay", "max_len", "batch_size", "epochs", "lr",
-             "warmup_steps", "seed")
+             "warmup_steps", "seed", "init")
 
 
 # --------------------------------------------------------------------------- data
@@ -149,13 +154,14 @@ def target_features(model: Any, ids: torch.Tensor, lengths: list[int], layer_ids
     return torch.cat([sink[k] for k in layer_ids], dim=-1).float()
 
 
-def ttt_loss(layer: EagleLayer, embed: torch.Tensor, features: torch.Tensor, ids: torch.Tensor, learn: torch.Tensor,
-             t2d: torch.Tensor, steps: int, decay: float) -> tuple[torch.Tensor, list[float]]:
-    """The training-time-test loss of one batch.
+def ttt_unroll(layer: EagleLayer, embed: torch.Tensor, features: torch.Tensor, ids: torch.Tensor, steps: int):
+    """The unrolled steps of training-time test over one batch, as drafting runs them.
 
-    features: [B, T, 3 H_t] the target's; ids: [B, T] the sequences; learn: BoolTensor [B, T],
-    True where token t is one the target chose (answer tokens); t2d: [V] each target id's
-    draft index (-1: outside the draft vocabulary). Returns (loss, per-step mean CE).
+    features: [B, T, 3 H_t] the target's; ids: [B, T] the sequences. Step 0 reads the target's
+    features at every position; step j > 0 reads the layer's own outputs of step j - 1, each
+    query seeing the target's entries up to its root and its own chain of draft entries.
+    Yields (j, logits [B, m - 1, V_d], target positions [m - 1]): step j's logits at position p
+    predict token p + 2 + j.
     """
     B, T, _ = features.shape
     n = T - 1  # entries: position p reads features p and token p + 1
@@ -164,7 +170,6 @@ def ttt_loss(layer: EagleLayer, embed: torch.Tensor, features: torch.Tensor, ids
     keys = values = None
     causal = torch.ones(n, n, dtype=torch.bool, device=ids.device).tril()
     eye = torch.eye(n, dtype=torch.bool, device=ids.device)
-    total, per_step = features.new_zeros(()), []
     for j in range(steps):
         m = n - j  # queries whose input token p + 1 + j exists
         if m < 2:
@@ -174,17 +179,45 @@ def ttt_loss(layer: EagleLayer, embed: torch.Tensor, features: torch.Tensor, ids
         values = [v] if values is None else [vv[:, :, :m] for vv in values] + [v]
         visible = torch.cat([causal[:m, :m]] + [eye[:m, :m]] * j, dim=1).unsqueeze(0).expand(B, -1, -1)
         out = layer.finish(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), visible, res)
-        # step j at position p predicts token p + 2 + j
-        tgt_pos = 2 + j + torch.arange(m - 1, device=ids.device)
+        yield j, layer.logits(out[:, : m - 1]), 2 + j + torch.arange(m - 1, device=ids.device)
+        h = out
+
+
+def ttt_loss(layer: EagleLayer, embed: torch.Tensor, features: torch.Tensor, ids: torch.Tensor, learn: torch.Tensor,
+             t2d: torch.Tensor, steps: int, decay: float) -> tuple[torch.Tensor, list[float]]:
+    """The training-time-test loss of one batch (:func:`ttt_unroll`).
+
+    features: [B, T, 3 H_t] the target's; ids: [B, T] the sequences; learn: BoolTensor [B, T],
+    True where token t is one the target chose (answer tokens); t2d: [V] each target id's
+    draft index (-1: outside the draft vocabulary). Step j at position p learns token
+    p + 2 + j with weight ``decay ** j``. Returns (loss, per-step mean CE).
+    """
+    total, per_step = features.new_zeros(()), []
+    for j, logits, tgt_pos in ttt_unroll(layer, embed, features, ids, steps):
         target = t2d[ids[:, tgt_pos]]
         ok = learn[:, tgt_pos] & (target >= 0)
-        logits = layer.logits(out[:, : m - 1])
         if bool(ok.any()):
             ce = F.cross_entropy(logits[ok].float(), target[ok])
             total = total + decay ** j * ce
             per_step.append(float(ce.detach()))
-        h = out
     return total, per_step
+
+
+@torch.no_grad()
+def ttt_hits(layer: EagleLayer, embed: torch.Tensor, features: torch.Tensor, ids: torch.Tensor, learn: torch.Tensor,
+             steps: int, top_k: int = 1) -> list[tuple[int, int]]:
+    """Per unrolled step j: (hits, positions) over the ``learn`` positions, where a hit is token
+    p + 2 + j among the draft's ``top_k`` best target ids (tokens outside the draft vocabulary
+    count as misses). With ``top_k=1``, step 0's rate is the first-draft acceptance of a chain on
+    that text and step j's depth j + 1's given a right path above it; a larger ``top_k`` bounds
+    what a tree with that many children per node can accept."""
+    out = []
+    for _, logits, tgt_pos in ttt_unroll(layer, embed, features, ids, steps):
+        guess = layer.draft_to_target(logits.topk(min(top_k, logits.shape[-1]), dim=-1).indices)
+        hit = (guess == ids[:, tgt_pos].unsqueeze(-1)).any(-1)
+        ok = learn[:, tgt_pos]
+        out.append((int(hit[ok].sum()), int(ok.sum())))
+    return out
 
 
 # --------------------------------------------------------------------------- the run
@@ -277,6 +310,11 @@ def train_eagle(cfg: EagleTrainConfig, model: Any = None, tokenizer: Any = None,
     t2d = torch.full((vocab,), -1, dtype=torch.long)
     t2d[keep] = torch.arange(keep.numel())
     layer = new_layer(model, vocab_ids=keep, seed=cfg.seed)
+    if cfg.init in ("target", "frozen"):
+        warm_start(layer, model)
+    if cfg.init == "frozen":
+        layer.lm_head.requires_grad_(False)
+        layer.norm.requires_grad_(False)
     param = next(model.parameters())
     layer.to(param.device)
     layer.train()
