@@ -6,7 +6,7 @@ import math
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
 from accel.strategy import KVQuantizer, register
 
@@ -59,11 +59,13 @@ class GEAR(KVQuantizer):
     outliers: float = Field(0.01, ge=0, lt=0.5)
     """Fraction of each group's entries (the largest in magnitude) kept exact."""
 
-    @model_validator(mode="after")
-    def _rank_fits_group(self) -> GEAR:
-        if self.rank > self.group:
-            raise ValueError(f"rank ({self.rank}) must not exceed group ({self.group})")
-        return self
+    @field_validator("rank")
+    @classmethod
+    def _rank_fits_group(cls, rank: int, info: ValidationInfo) -> int:
+        group = info.data.get("group")
+        if group is not None and rank > group:
+            raise ValueError(f"rank ({rank}) must not exceed group ({group})")
+        return rank
 
     def group_size(self) -> int:
         return self.group
