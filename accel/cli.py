@@ -233,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     e.add_argument("--save-dtype", choices=("float32", "bfloat16", "float16"), default=None)
     e.add_argument("--init", choices=("target", "frozen", "random"), default=None,
-                   help="start from the target's own head and final norm (default), so and keep them frozen, "
-                        "or at random")
+                   help="target (default): start from the target's own head and final norm; frozen: the same, "
+                        "kept fixed while the rest learns; random: a random start")
     e.add_argument("--restart", action="store_true", help="discard cached answers and checkpoints in --out")
     e.set_defaults(func=_train_eagle, parser=e)
 

@@ -46,7 +46,7 @@ _LOCK = threading.Lock()
 
 def load_eagle(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> EagleLayer:
-    """The draft in ``path`` (``"default"``: the one shipped for the default model) in
+    """The draft in ``path`` (``"default"``: ``speculative/heads/eagle``, none shipped yet) in
     ``dtype`` on ``device``, read once per process (again when its files change)."""
     folder = resolve_draft_dir(path).resolve()
     stamp = tuple((f.name, f.stat().st_mtime_ns) for f in sorted(folder.glob("*")) if f.is_file()) \
@@ -103,13 +103,14 @@ class Eagle(Drafter):
 
     ``draft`` is a folder in the EAGLE-3 format (``accel train-eagle`` writes one; vLLM's and
     SGLang's EAGLE-3 checkpoints load as they are) or an EAGLE-1 checkpoint; ``"default"``
-    (``Eagle()``) is the draft shipped for the default model. Lossless: the verifier decides.
+    (``Eagle()``) reads ``speculative/heads/eagle``, where a draft for the default model goes (none
+    ships yet: docs/EAGLE.md). Lossless: the verifier decides.
     """
 
     name: ClassVar[str] = "eagle"
 
     draft: str = Field("default", description="folder of the EAGLE draft (EAGLE-3 format, or an EAGLE-1 checkpoint), "
-                                              "or 'default': the draft shipped for the default model")
+                                              "or 'default': speculative/heads/eagle (none shipped yet)")
     max_nodes: int = Field(16, ge=1, le=1024, description="draft nodes per verify step at most (the engine's budget may cut it)")
     depth: int = Field(6, ge=1, le=64, description="draft depth at most (tree levels; a sampled chain's length)")
     top_k: int = Field(8, ge=1, le=64, description="nodes expanded per depth and children per expanded node")

@@ -40,14 +40,14 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHT_FILES = (WEIGHTS_NAME, "pytorch_model.bin")
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"
-# The draft shipped for the default model (``accel train-eagle --model default``; its config's
-# ``accel_training`` says how it was made).
+# Where the default model's draft goes (``accel train-eagle --model default``; its config's
+# ``accel_training`` says how it was made). None ships yet: docs/EAGLE.md.
 DEFAULT_DRAFT_DIR = Path(__file__).resolve().parent.parent / "heads" / "eagle"
 
 
 def resolve_draft_dir(draft: str | os.PathLike) -> Path:
-    """The folder named by ``draft``: ``"default"`` is the draft shipped for the default model,
-    anything else a path (checked when read)."""
+    """The folder named by ``draft``: ``"default"`` is :data:`DEFAULT_DRAFT_DIR` (an error naming
+    ``accel train-eagle`` where no draft is there), anything else a path (checked when read)."""
     if os.fspath(draft) == "default":
         if not (DEFAULT_DRAFT_DIR / CONFIG_NAME).is_file():
             raise FileNotFoundError(f"no EAGLE draft is shipped in '{DEFAULT_DRAFT_DIR}'; train one with "
