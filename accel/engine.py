@@ -26,6 +26,7 @@ import torch
 from . import adapter, maintenance
 from .calibration import calibrate
 from .kernels import invariance
+from .logprobs import TokenLogprob, token_logprobs
 from .acceptance import Acceptance
 from .cache import SharedCache
 from .drafting import draft_rows, drafter_feedback, start_rows
@@ -290,6 +291,11 @@ class Row:
     prior_steps: int = 0  # drafting steps of earlier requests its estimate starts from (start_from_memory)
     memory_bucket: int = 1  # the batch size it was admitted into, rounded up to a power of two (remembered_acceptance)
     upkeep: maintenance.Upkeep | None = None  # eviction / quantization during decoding (accel.maintenance)
+    # Log-probabilities (accel.logprobs): None off, else the alternatives reported per token.
+    logprobs: int | None = None  # of the generated tokens: those of the last emit() in new_logprobs
+    prompt_logprobs: int | None = None  # of the prompt's tokens, in prompt_logprob_list after the prefill
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprob_list: list[TokenLogprob | None] | None = None  # None at position 0 (nothing precedes it)
 
     @property
     def acceptance_rate(self) -> float:
@@ -431,11 +437,18 @@ class Batch:
             captured: dict[int, torch.Tensor] = {}
             selected: dict[tuple[int, int], torch.Tensor] = {}
             states: dict[int, torch.Tensor] = {}
-            with adapter.capture_layer_states(self.model, fresh, self._feature_layers(whole), states):
+            layers = self._feature_layers(whole)
+            if any(r.prompt_logprobs is not None for r in whole) and -1 not in layers:
+                layers = (*layers, -1)  # the normed hidden state of every prompt position
+            with adapter.capture_layer_states(self.model, fresh, layers, states):
                 hidden = yield from prefill_steps(self.model, fresh, [r.prompt for r in whole],
                                                   [r.plan.compressor for r in whole], captured, selected,
                                                   chunk=self.prefill_chunk)
             _hand_features(whole, states, [(b, torch.arange(int(r.prompt.numel()))) for b, r in enumerate(whole)])
+            for b, r in enumerate(whole):
+                if r.prompt_logprobs is not None:
+                    r.prompt_logprob_list = _prompt_logprobs(self.model, states[-1][b, : int(r.prompt.numel())],
+                                                             r.prompt, r.prompt_logprobs)
             for b, r in enumerate(whole):
                 c = r.plan.compressor
                 if c is not None and c.decode_limit() is not None and c.decode_window():
@@ -473,7 +486,8 @@ class Batch:
             row.stats.exact_verify = self.exact and (row.plan.quantizer is None or self.cache.ordered)
             row.tokens = torch.cat([row.prompt, row.prompt.new_tensor([acc.next_token])])
             row.hidden = hidden[b] if row.plan.needs_hidden else None
-            row.emit([acc.next_token])
+            if row.emit([acc.next_token]) and row.logprobs is not None:
+                row.new_logprobs = token_logprobs(logits[b : b + 1], [acc.next_token], row.logprobs)
         for row, states in zip(rows, start_rows(self.model, [r.plan for r in rows], [r.prompt for r in rows])):
             row.states = states
         for part, fresh, _ in parts:
@@ -516,8 +530,10 @@ class Batch:
         yield
 
     def _reuses(self, row: Row) -> bool:
-        """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.serving.prefix`)."""
-        return self._prefix_model and row.plan.compressor is None and row.plan.quantizer is None
+        """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.serving.prefix`);
+        not a row that reports its prompt's log-probabilities (its whole prompt must run)."""
+        return (self._prefix_model and row.plan.compressor is None and row.plan.quantizer is None
+                and row.prompt_logprobs is None)
 
     def budgets(self, extra: Sequence[int] | None = None) -> tuple[list[int], bool]:
         """(Draft nodes each live row may propose this step (see :func:`draft_budgets`),
@@ -598,6 +614,10 @@ class Batch:
             emitted = acc.emitted(tree)
             new = row.emit(emitted)
             out.append(new)
+            if row.logprobs is not None:  # emitted token j was decided by the logits of path node j
+                first = sum(counts[:b])
+                row.new_logprobs = token_logprobs(logits[[first + j for j in acc.path[: len(new)]]], new,
+                                                  row.logprobs) if new else []
             row.tokens = torch.cat([row.tokens, row.tokens.new_tensor(emitted)])
             s = row.stats
             s.decode_s += elapsed
@@ -706,6 +726,20 @@ def _lookahead(row: Row) -> tuple[int, Lookahead] | None:
         if found is None and look is not None and len(look) > 0 and look.anchors >= 1:
             found = (i, look)
     return found
+
+
+def _prompt_logprobs(model, hidden: torch.Tensor, prompt: torch.Tensor, k: int) -> list[TokenLogprob | None]:
+    """Each prompt token's log-probability given the tokens before it (None for the first).
+
+    hidden: [n, H] the final normed hidden states of the prompt's positions; prompt: [n].
+    The output head runs a few hundred positions at a time ([chunk, V], never [n, V]).
+    """
+    out: list[TokenLogprob | None] = [None]
+    n, step = int(prompt.numel()), 256
+    for start in range(0, n - 1, step):
+        end = min(start + step, n - 1)
+        out.extend(token_logprobs(adapter.output_logits(model, hidden[start:end]), prompt[start + 1 : end + 1], k))
+    return out
 
 
 def _hand_features(rows: Sequence[Row], states: dict[int, torch.Tensor], where: list[tuple[int, torch.Tensor]]) -> None:

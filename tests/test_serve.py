@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -301,7 +302,15 @@ LONG = list(range(6, 96)) * 46  # 4140 token ids: longer than the context
         ("/v1/completions", {"prompt": LONG, "max_tokens": 4}, 400, "prompt", "context_length_exceeded"),
         ("/v1/completions", {"prompt": LONG[:CONTEXT - 10], "max_tokens": 20}, 400, "max_tokens",
          "context_length_exceeded"),
-        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "unknown_parameter"),
+        ("/v1/completions", {"prompt": "hi", "best_of": 2}, 400, "best_of", "unknown_parameter"),
+        ("/v1/completions", {"prompt": "hi", "echo": True, "stream": True}, 400, "echo", "invalid_value"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs", "invalid_value"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", "invalid_value"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": True}, 400, "logprobs", "invalid_value"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "invalid_value"),
+        ("/v1/chat/completions", {**CHAT, "top_logprobs": 3}, 400, "top_logprobs", "invalid_value"),
+        ("/v1/chat/completions", {**CHAT, "logprobs": True, "top_logprobs": 50}, 400, "top_logprobs",
+         "invalid_value"),
         ("/v1/completions", b'{"prompt": "' + b"a " * (1 << 20) + b'"}', 413, None, "request_too_large"),
     ],
 )
@@ -636,3 +645,81 @@ def test_accel_serve_command_end_to_end(tmp_path):
             proc.wait(10)
             raise
     assert rc == 0, proc.stdout.read()
+
+
+# ------------------------------------------------------------------ log-probabilities
+
+
+def _forward_logprobs(server, ids):
+    """log_softmax of a plain float32 forward of ``ids`` on the reference copy: [n, V]."""
+    with torch.no_grad():
+        logits = server.reference_model(torch.tensor([ids])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def test_echo_prompt_logprobs_equal_a_plain_forward(server, http):
+    ids = server.tokenizer("the quick brown fox jumps over the lazy dog").input_ids
+    for max_tokens in (0, 1):
+        body = {"prompt": [ids], "max_tokens": max_tokens, "echo": True, "logprobs": 1, "temperature": 0}
+        r = http.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        lp = choice["logprobs"]
+        n = len(ids)
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == n + max_tokens
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        ref = _forward_logprobs(server, ids)
+        for i in range(1, n):
+            assert abs(lp["token_logprobs"][i] - ref[i - 1, ids[i]].item()) < 1e-4, i
+            (best,) = lp["top_logprobs"][i].values()
+            assert abs(best - ref[i - 1].max().item()) < 1e-4
+        assert choice["text"].startswith(server.tokenizer.decode(ids))
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+        if max_tokens:
+            (gen,) = lp["token_logprobs"][n:]
+            assert abs(gen - ref[n - 1].max().item()) < 1e-4  # greedy: the top token
+            assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_generated_logprobs_match_a_forward_and_survive_drafting(server, http):
+    ids = server.tokenizer("one two three one two three one two").input_ids
+    answers = {}
+    for strategies in ([], ["prompt_lookup"]):
+        body = {"prompt": ids, "max_tokens": 8, "logprobs": 3, "temperature": 0, "accel": strategies}
+        answers[bool(strategies)] = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    plain, drafted = answers[False], answers[True]
+    assert plain["tokens"] == drafted["tokens"] and len(plain["tokens"]) == 8
+    for a, b in zip(plain["token_logprobs"], drafted["token_logprobs"]):
+        assert abs(a - b) < 1e-4
+    greedy = accel.generate(server.reference_model, [ids], strategies=[], max_new_tokens=8)
+    full = greedy.sequences[0].tolist()
+    assert [server.tokenizer.decode([t]) for t in full[len(ids):]] == plain["tokens"]
+    ref = _forward_logprobs(server, full)
+    for j, (lp, top) in enumerate(zip(plain["token_logprobs"], plain["top_logprobs"])):
+        assert len(top) <= 3 and abs(max(top.values()) - lp) < 1e-6  # greedy: the chosen one is the top one
+        assert abs(lp - ref[len(ids) - 1 + j].max().item()) < 1e-4
+
+
+def test_chat_logprobs_with_the_openai_client_streaming_and_not(client):
+    kwargs = dict(model=MODEL_ID, messages=[{"role": "user", "content": "Say hello"}], max_tokens=6,
+                  temperature=0, logprobs=True, top_logprobs=2)
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == whole.usage.completion_tokens == 6
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert abs(entry.top_logprobs[0].logprob - entry.logprob) < 1e-6 and entry.logprob <= 0
+        assert bytes(entry.bytes).decode("utf-8", "replace") == entry.token
+    streamed = [e for chunk in client.chat.completions.create(**kwargs, stream=True) for c in chunk.choices
+                if c.logprobs is not None for e in (c.logprobs.content or [])]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    plain = client.chat.completions.create(**{**kwargs, "logprobs": None, "top_logprobs": None})
+    assert plain.choices[0].logprobs is None
+
+
+def test_completions_logprobs_with_the_openai_client(client):
+    out = client.completions.create(model=MODEL_ID, prompt="hello world", max_tokens=4, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 4
+    assert all(t.strip() in out.choices[0].text for t in lp.tokens)  # each token's own text (decoded alone)
+    assert all(len(top) <= 2 for top in lp.top_logprobs)

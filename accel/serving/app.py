@@ -123,6 +123,10 @@ class _Job:
     strategies: list[Any] | None
     stream: bool
     include_usage: bool
+    logprobs: int | None = None  # alternatives per generated token; None: no logprobs in the answer
+    echo: bool = False  # completions: the prompt's text (and log-probabilities) before the answer
+    lps: list[Any] = field(default_factory=list)  # the generated tokens' TokenLogprob, as they come
+    prompt_lps: list[Any] | None = None  # the prompt's (echo with logprobs), once the request ends
     done: bool = False  # the engine finished it and its outcome is known
     id: str = field(default_factory=lambda: secrets.token_hex(12))
     created: int = field(default_factory=lambda: int(time.time()))
@@ -241,8 +245,21 @@ class _Server:
             raise ApiError(400, f"{max_name}: the prompt ({len(prompt)} tokens) plus {max_name} ({max_tokens}) "
                            f"exceed this model's context of {self.context_length} tokens", max_name,
                            "context_length_exceeded")
+        logprobs, echo = None, False
+        if isinstance(req, ChatCompletionRequest):
+            if req.top_logprobs is not None and not req.logprobs:
+                raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs", "invalid_value")
+            logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        else:
+            logprobs, echo = req.logprobs, bool(req.echo)
+            if echo and req.stream:
+                raise ApiError(400, "echo: not supported with stream; send a non-streaming request", "echo",
+                               "invalid_value")
+            if max_tokens == 0 and not echo:
+                raise ApiError(400, "max_tokens: 0 is allowed only with echo (to score the prompt)", "max_tokens",
+                               "invalid_value")
         return _Job(
-            kind=kind, prompt=prompt, max_tokens=max_tokens,
+            logprobs=logprobs, echo=echo, kind=kind, prompt=prompt, max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=req.top_p if req.top_p is not None and req.top_p < 1.0 else None, top_k=req.top_k or None,
             seed=req.seed, stops=stops, strategies=strategies, stream=bool(req.stream),
@@ -287,7 +304,8 @@ class _Server:
         try:
             return self.engine.submit(
                 job.prompt, max_new_tokens=job.max_tokens, temperature=job.temperature, top_k=job.top_k,
-                top_p=job.top_p, seed=job.seed, strategies=job.strategies,
+                top_p=job.top_p, seed=job.seed, strategies=job.strategies, logprobs=job.logprobs,
+                prompt_logprobs=job.logprobs if job.echo and job.logprobs is not None else None,
             )
         except StrategyError as err:
             raise ApiError(400, _strategy_message(str(err)), "accel", "invalid_strategy") from None
@@ -333,6 +351,8 @@ class _Server:
                     raise item
                 if finish is None:
                     tokens += len(item.tokens)
+                    if item.logprobs:
+                        job.lps.extend(item.logprobs)
                     text = item.text
                     if text is None and decoder is not None:
                         text = decoder.push(list(item.tokens), final=item.finished)
@@ -350,6 +370,7 @@ class _Server:
                         finish = item.finish_reason or "stop"
                     break
             result = await anyio.to_thread.run_sync(lambda: handle.result(timeout=30))
+            job.prompt_lps = getattr(result, "prompt_logprobs", None)
             job.done = True
             if finish is None or finish == "error":
                 raise RuntimeError(getattr(result, "error", None) or "the engine failed on this request")
@@ -543,12 +564,63 @@ def _head(srv: _Server, job: _Job) -> dict[str, Any]:
     return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created, "model": srv.model_id}
 
 
+def _token_text(srv: _Server, token: int) -> str:
+    if srv.tokenizer is None:
+        return f"token_id:{token}"  # as vLLM's return_tokens_as_token_ids
+    with srv.tokenizer_lock:
+        return srv.tokenizer.decode([token])
+
+
+def _chat_logprobs(srv: _Server, lps: list[Any]) -> dict[str, Any]:
+    """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal"}``."""
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = _token_text(srv, token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
+                        for t in lps], "refusal": None}
+
+
+def _text_logprobs(srv: _Server, lps: list[Any], offset: int = 0) -> dict[str, Any]:
+    """The completions ``logprobs``: parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token text -> log-probability; None where nothing precedes the token)
+    and ``text_offset`` (each token's character offset, from ``offset``)."""
+    out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for t in lps:
+        token, lp, top = (t if isinstance(t, tuple) else (t.token, t.logprob, t.top))
+        text = _token_text(srv, token)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(None if top is None else {_token_text(srv, i): v for i, v in top})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out
+
+
+def _echo_entries(job: _Job) -> list[tuple[int, float | None, Any]]:
+    """The prompt's tokens as (token, logprob, top) for an echoed answer (None for the first)."""
+    lps = job.prompt_lps or [None] * len(job.prompt)
+    return [(tok, None, None) if lp is None else (lp.token, lp.logprob, lp.top) for tok, lp in zip(job.prompt, lps)]
+
+
+def _prompt_text(srv: _Server, job: _Job) -> str:
+    if srv.tokenizer is None:
+        return ""
+    with srv.tokenizer_lock:
+        return srv.tokenizer.decode(job.prompt)
+
+
 def _full_response(srv: _Server, job: _Job, text: str, outcome: _Outcome) -> dict[str, Any]:
     if job.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        logprobs = _chat_logprobs(srv, job.lps) if job.logprobs is not None else None
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": outcome.finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": outcome.finish_reason}
+        entries: list[Any] = (_echo_entries(job) if job.echo else []) + list(job.lps)
+        logprobs = _text_logprobs(srv, entries) if job.logprobs is not None else None
+        if job.echo:
+            text = _prompt_text(srv, job) + text
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": outcome.finish_reason}
     return {**_head(srv, job), "choices": [choice], "usage": _usage(job, outcome), "accel": _stats_dict(outcome.stats)}
 
 
@@ -561,13 +633,20 @@ async def _sse(srv: _Server, job: _Job, handle: Any) -> AsyncIterator[str]:
     head["object"] = "chat.completion.chunk" if job.kind == "chat" else "text_completion"
     extra = {"usage": None} if job.include_usage else {}
 
+    sent = 0  # the generated tokens whose log-probabilities went out
+
     def chunk(text: str | None, finish: str | None, first: bool = False) -> dict[str, Any]:
+        nonlocal sent
+        logprobs = None
+        if job.logprobs is not None and not first:  # each chunk carries the tokens decided since the last
+            new, sent = job.lps[sent:], len(job.lps)
+            logprobs = _chat_logprobs(srv, new) if job.kind == "chat" else _text_logprobs(srv, new)
         if job.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
                 {"content": text} if text is not None else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
         return {**head, "choices": [choice], **extra}
 
     try:

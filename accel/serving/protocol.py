@@ -1,7 +1,9 @@
 """The OpenAI wire format of ``accel serve``: request bodies and error bodies.
 
 Both completion requests take OpenAI's fields ``max_tokens``, ``temperature``, ``top_p``,
-``stop``, ``seed``, ``stream`` (+ ``stream_options.include_usage``) and ``n=1``, plus two
+``stop``, ``seed``, ``stream`` (+ ``stream_options.include_usage``) and ``n=1``; completions
+also ``logprobs`` (0..20 alternatives) and ``echo`` (with ``max_tokens=0`` to score a prompt),
+chat ``logprobs`` and ``top_logprobs``; plus two
 extensions: ``top_k``, and ``accel``, that request's strategies (specs such as
 ``"snapkv:budget=256"`` or mappings with a ``name``). The models are strict (no silent
 str -> number coercion, unknown fields refused). A request the server refuses is an
@@ -15,6 +17,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..logprobs import MAX_TOP_LOGPROBS
 
 try:
     from fastapi.responses import JSONResponse
@@ -80,12 +84,17 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, gt=0)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # needs logprobs true
 
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``: one prompt, as text or token ids."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt only
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # alternatives per token
+    echo: bool | None = None  # the prompt (and with logprobs its log-probabilities) before the text
 
 
 _FIELD_NAMES = {

@@ -31,6 +31,7 @@ from .. import adapter
 from ..api import _as_rows, check_prefill_chunk, check_sampling, make_rows
 from ..engine import DEFAULT_MAX_DRAFT, Batch, Plan, Row, Stats, plan_strategies
 from ..kernels.compiled import enable as enable_compiled
+from ..logprobs import TokenLogprob, check_logprobs
 from .prefix import PrefixStore
 from ..strategy import Strategy, build_strategies
 from ..text import TextStream
@@ -48,13 +49,15 @@ class Delta:
 
     tokens: the newly accepted token ids; text: their text (incremental, complete
     characters only) when the engine knows a tokenizer, else None; finished / finish_reason
-    ("stop", "length", "cancelled" or "error") on the request's last delta.
+    ("stop", "length", "cancelled" or "error") on the request's last delta; logprobs: the
+    tokens' :class:`~accel.logprobs.TokenLogprob` when submitted with ``logprobs=``.
     """
 
     tokens: list[int]
     text: str | None = None
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens`` when the request asked for them
 
 
 @dataclass
@@ -67,6 +70,8 @@ class RequestResult:
     prompt_tokens: int
     stats: Stats
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # of ``tokens``, when submitted with ``logprobs=``
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # of the prompt (None first), with ``prompt_logprobs=``
 
 
 _END = object()
@@ -130,6 +135,9 @@ class RequestHandle:
     _result: RequestResult | None = field(default=None, repr=False)
     _listener: Callable[[Delta | None], None] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # those delivered so far
+    #: The prompt's log-probabilities (submitted with ``prompt_logprobs=``), set before its first delta.
+    prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)
 
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:
         """Yield :class:`Delta` objects as the engine accepts tokens, until the request ends.
@@ -273,16 +281,23 @@ class Engine:
     def submit(self, prompt: str | Sequence[int] | torch.Tensor, *, max_new_tokens: int = 128,
                temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                seed: int | None = None, eos_token_id: int | list[int] | None = None,
-               strategies: Sequence[Strategy | str | dict] | None = None) -> RequestHandle:
+               strategies: Sequence[Strategy | str | dict] | None = None, logprobs: int | None = None,
+               prompt_logprobs: int | None = None) -> RequestHandle:
         """Queue one request; safe from any thread. Bad input raises here (ValueError /
         ``StrategyError`` naming the field), before anything is queued.
 
         prompt: text (needs the engine's tokenizer), token ids, or a LongTensor [n].
         strategies: this request's strategies instead of the engine's (None: the engine's).
+        logprobs: report each generated token's log-probability and this many alternatives
+            (0..20) in its :class:`Delta` and the result (None: off). See :mod:`accel.logprobs`.
+        prompt_logprobs: the same for the prompt's tokens (``RequestHandle.prompt_logprobs``
+            once its first delta is out, and the result); such a prompt reuses no cached prefix.
         """
         if self._closed.is_set():
             raise RuntimeError("the engine is closed")
         check_sampling(max_new_tokens, temperature, top_k, top_p)
+        check_logprobs(logprobs, "logprobs")
+        check_logprobs(prompt_logprobs, "prompt_logprobs")
         plan = self.plan if strategies is None else self._plan(strategies)
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 1:
             prompt = prompt.unsqueeze(0)
@@ -292,6 +307,7 @@ class Engine:
         eos = self.eos if eos_token_id is None else ([eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
         (row,) = make_rows(self.model, rows, plan, max_new_tokens=max_new_tokens, temperature=temperature,
                            top_k=top_k, top_p=top_p, eos=eos, seed=seed)
+        row.logprobs, row.prompt_logprobs = logprobs, prompt_logprobs
         handle = RequestHandle(id=next(self._ids), row=row,
                                _text=TextStream(self.tokenizer) if self.tokenizer is not None else None)
         row.tag = handle
@@ -419,7 +435,7 @@ class Engine:
             if h.cancelled:
                 self._finish(h, "cancelled")
                 continue
-            if h.row.max_new_tokens == 0:
+            if h.row.max_new_tokens == 0 and h.row.prompt_logprobs is None:  # nothing to compute
                 h.row.stats.prompt_tokens = int(h.row.prompt.numel())
                 self._finish(h, "length")
                 continue
@@ -460,6 +476,8 @@ class Engine:
 
     def _join(self, new: list[RequestHandle]) -> None:
         """Requests whose prefill ended join the running ones; their first tokens go out."""
+        for h in new:
+            h.prompt_logprobs = h.row.prompt_logprob_list
         with self._lock:
             self._live.extend(new)
         self._deliver([(h.row, list(h.row.generated)) for h in new], count_step=False)
@@ -495,7 +513,10 @@ class Engine:
             h: RequestHandle = row.tag
             if new:
                 text = h._text.push(new, final=row.done) if h._text is not None else None
-                h._put(Delta(list(new), text))
+                lps = list(row.new_logprobs[: len(new)]) if row.logprobs is not None else None
+                if lps is not None:
+                    h._logprobs.extend(lps)
+                h._put(Delta(list(new), text, logprobs=lps))
             if count_step:
                 accepted += row.stats.accepted_per_step[-1] if row.stats.accepted_per_step else 0
         with self._lock:
@@ -533,7 +554,9 @@ class Engine:
             if tail:
                 h._put(Delta([], tail))
         h._result = RequestResult(tokens=list(row.generated), text=text, finish_reason=row.finish_reason,
-                                  prompt_tokens=int(row.prompt.numel()), stats=row.stats, error=error)
+                                  prompt_tokens=int(row.prompt.numel()), stats=row.stats, error=error,
+                                  logprobs=list(h._logprobs) if row.logprobs is not None else None,
+                                  prompt_logprobs=row.prompt_logprob_list)
         h._put(Delta([], "" if h._text is not None else None, True, row.finish_reason))
         h._put(_END)
         row.tag = None  # break the row <-> handle cycle: a finished request is freed by reference counting
