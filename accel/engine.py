@@ -292,9 +292,9 @@ class Row:
     memory_bucket: int = 1  # the batch size it was admitted into, rounded up to a power of two (remembered_acceptance)
     upkeep: maintenance.Upkeep | None = None  # eviction / quantization during decoding (accel.maintenance)
     # Log-probabilities (accel.logprobs): None off, else the alternatives reported per token.
-    logprobs: int | None = None  # of the generated tokens: those of the last emit() in new_logprobs
+    logprobs: int | None = None  # of the generated tokens, one per token of ``generated`` in generated_logprobs
     prompt_logprobs: int | None = None  # of the prompt's tokens, in prompt_logprob_list after the prefill
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    generated_logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprob_list: list[TokenLogprob | None] | None = None  # None at position 0 (nothing precedes it)
 
     @property
@@ -487,7 +487,7 @@ class Batch:
             row.tokens = torch.cat([row.prompt, row.prompt.new_tensor([acc.next_token])])
             row.hidden = hidden[b] if row.plan.needs_hidden else None
             if row.emit([acc.next_token]) and row.logprobs is not None:
-                row.new_logprobs = token_logprobs(logits[b : b + 1], [acc.next_token], row.logprobs)
+                row.generated_logprobs = token_logprobs(logits[b : b + 1], [acc.next_token], row.logprobs)
         for row, states in zip(rows, start_rows(self.model, [r.plan for r in rows], [r.prompt for r in rows])):
             row.states = states
         for part, fresh, _ in parts:
@@ -592,12 +592,13 @@ class Batch:
         counts = [tree.num_nodes for tree in trees]
         greedy = [row.warp is None for row in rows]
         top = logits.argmax(dim=-1).tolist() if any(greedy) else None
-        accs, out, start = [], [], 0
+        accs, out, starts, start = [], [], [], 0
         for b, (row, tree) in enumerate(zip(rows, trees)):
             end = start + counts[b]
             acc = accept(tree, logits[start:end], row.warp, row.plan.rule, row.generator,
                          top=top[start:end] if greedy[b] else None)
             accs.append(acc)
+            starts.append(start)
             start = end
         commit(self.cache, accs)
         if any(lk is not None for lk in looks):
@@ -614,10 +615,9 @@ class Batch:
             emitted = acc.emitted(tree)
             new = row.emit(emitted)
             out.append(new)
-            if row.logprobs is not None:  # emitted token j was decided by the logits of path node j
-                first = sum(counts[:b])
-                row.new_logprobs = token_logprobs(logits[[first + j for j in acc.path[: len(new)]]], new,
-                                                  row.logprobs) if new else []
+            if row.logprobs is not None and new:  # emitted token j was decided by the logits of path node j
+                row.generated_logprobs += token_logprobs(logits[[starts[b] + j for j in acc.path[: len(new)]]], new,
+                                                         row.logprobs)
             row.tokens = torch.cat([row.tokens, row.tokens.new_tensor(emitted)])
             s = row.stats
             s.decode_s += elapsed

@@ -19,7 +19,6 @@ __all__ = ["MAX_TOP_LOGPROBS", "TokenLogprob", "check_logprobs", "token_logprobs
 
 #: The most alternatives a request may ask for per token (OpenAI's chat cap).
 MAX_TOP_LOGPROBS = 20
-_ROWS_PER_CHUNK = 256  # logits rows turned into log-probabilities at once ([256, V] float32)
 
 
 @dataclass(frozen=True)
@@ -48,21 +47,16 @@ def token_logprobs(logits: torch.Tensor, tokens: Sequence[int] | torch.Tensor, k
     """The log-probability of ``tokens[i]`` under ``logits[i]`` and the top ``k`` there.
 
     logits: [N, V] (any float dtype; computed in float32); tokens: N ids; k: alternatives per
-    token (0: none). Rows are processed a few hundred at a time, so a long prompt's [N, V]
-    log-probabilities never exist at once.
+    token (0: none). The caller keeps N small (a verify step's path, a chunk of a prompt).
     """
     ids = torch.as_tensor(tokens, dtype=torch.long, device=logits.device).reshape(-1)
     if logits.dim() != 2 or logits.shape[0] != ids.numel():
         raise ValueError(f"logits must be [N={ids.numel()}, V], got {tuple(logits.shape)}")
-    out: list[TokenLogprob] = []
-    for start in range(0, ids.numel(), _ROWS_PER_CHUNK):
-        part = torch.log_softmax(logits[start : start + _ROWS_PER_CHUNK].float(), dim=-1)
-        chosen = part.gather(1, ids[start : start + _ROWS_PER_CHUNK, None])[:, 0].tolist()
-        if k > 0:
-            values, indices = part.topk(min(k, part.shape[-1]), dim=-1)
-            tops = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
-        else:
-            tops = [()] * len(chosen)
-        out.extend(TokenLogprob(int(t), lp, top)
-                   for t, lp, top in zip(ids[start : start + _ROWS_PER_CHUNK].tolist(), chosen, tops))
-    return out
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logp.gather(1, ids[:, None])[:, 0].tolist()
+    if k > 0:
+        values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(indices.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(chosen)
+    return [TokenLogprob(t, lp, top) for t, lp, top in zip(ids.tolist(), chosen, tops)]

@@ -564,43 +564,42 @@ def _head(srv: _Server, job: _Job) -> dict[str, Any]:
     return {"id": f"cmpl-{job.id}", "object": "text_completion", "created": job.created, "model": srv.model_id}
 
 
-def _token_text(srv: _Server, token: int) -> str:
+def _token_texts(srv: _Server, tokens: list[int], lps: list[Any]) -> dict[int, str]:
+    """The text of each of ``tokens`` and of the alternatives in ``lps`` (TokenLogprob or None),
+    each decoded alone, in one tokenizer call."""
+    ids = sorted({*tokens, *(j for t in lps if t is not None for j, _ in t.top)})
     if srv.tokenizer is None:
-        return f"token_id:{token}"  # as vLLM's return_tokens_as_token_ids
+        return {i: f"token_id:{i}" for i in ids}  # as vLLM's return_tokens_as_token_ids
     with srv.tokenizer_lock:
-        return srv.tokenizer.decode([token])
+        return dict(zip(ids, srv.tokenizer.batch_decode([[i] for i in ids])))
 
 
 def _chat_logprobs(srv: _Server, lps: list[Any]) -> dict[str, Any]:
     """OpenAI's chat ``logprobs``: ``{"content": [{token, logprob, bytes, top_logprobs}], "refusal"}``."""
+    texts = _token_texts(srv, [t.token for t in lps], lps)
+
     def entry(token: int, logprob: float) -> dict[str, Any]:
-        text = _token_text(srv, token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": texts[token], "logprob": logprob, "bytes": list(texts[token].encode("utf-8"))}
 
     return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(i, v) for i, v in t.top]}
                         for t in lps], "refusal": None}
 
 
-def _text_logprobs(srv: _Server, lps: list[Any], offset: int = 0) -> dict[str, Any]:
-    """The completions ``logprobs``: parallel lists ``tokens``, ``token_logprobs``,
-    ``top_logprobs`` (token text -> log-probability; None where nothing precedes the token)
-    and ``text_offset`` (each token's character offset, from ``offset``)."""
+def _text_logprobs(srv: _Server, tokens: list[int], lps: list[Any]) -> dict[str, Any]:
+    """The completions ``logprobs`` of ``tokens``: parallel lists ``tokens``, ``token_logprobs``,
+    ``top_logprobs`` (token text -> log-probability) and ``text_offset`` (each token's character
+    offset); ``lps[i]`` is token i's TokenLogprob, or None where nothing precedes it (null).
+    """
+    texts = _token_texts(srv, tokens, lps)
     out: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for t in lps:
-        token, lp, top = (t if isinstance(t, tuple) else (t.token, t.logprob, t.top))
-        text = _token_text(srv, token)
-        out["tokens"].append(text)
-        out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(None if top is None else {_token_text(srv, i): v for i, v in top})
+    offset = 0
+    for token, t in zip(tokens, lps):
+        out["tokens"].append(texts[token])
+        out["token_logprobs"].append(None if t is None else t.logprob)
+        out["top_logprobs"].append(None if t is None else {texts[i]: v for i, v in t.top})
         out["text_offset"].append(offset)
-        offset += len(text)
+        offset += len(texts[token])
     return out
-
-
-def _echo_entries(job: _Job) -> list[tuple[int, float | None, Any]]:
-    """The prompt's tokens as (token, logprob, top) for an echoed answer (None for the first)."""
-    lps = job.prompt_lps or [None] * len(job.prompt)
-    return [(tok, None, None) if lp is None else (lp.token, lp.logprob, lp.top) for tok, lp in zip(job.prompt, lps)]
 
 
 def _prompt_text(srv: _Server, job: _Job) -> str:
@@ -616,8 +615,12 @@ def _full_response(srv: _Server, job: _Job, text: str, outcome: _Outcome) -> dic
         choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                   "finish_reason": outcome.finish_reason}
     else:
-        entries: list[Any] = (_echo_entries(job) if job.echo else []) + list(job.lps)
-        logprobs = _text_logprobs(srv, entries) if job.logprobs is not None else None
+        logprobs = None
+        if job.logprobs is not None:
+            tokens, lps = [t.token for t in job.lps], list(job.lps)
+            if job.echo:  # the prompt's first, the first token's null
+                tokens, lps = job.prompt + tokens, list(job.prompt_lps or [None] * len(job.prompt)) + lps
+            logprobs = _text_logprobs(srv, tokens, lps)
         if job.echo:
             text = _prompt_text(srv, job) + text
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": outcome.finish_reason}
@@ -640,7 +643,7 @@ async def _sse(srv: _Server, job: _Job, handle: Any) -> AsyncIterator[str]:
         logprobs = None
         if job.logprobs is not None and not first:  # each chunk carries the tokens decided since the last
             new, sent = job.lps[sent:], len(job.lps)
-            logprobs = _chat_logprobs(srv, new) if job.kind == "chat" else _text_logprobs(srv, new)
+            logprobs = _chat_logprobs(srv, new) if job.kind == "chat" else _text_logprobs(srv, [t.token for t in new], new)
         if job.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else (
                 {"content": text} if text is not None else {})

@@ -109,6 +109,7 @@ def _unadmitted(row: Row, generator_state: torch.Tensor | None) -> None:
     """Undo what a failed :meth:`Batch.admit` may have done to ``row`` (its first token, stats,
     drafter states, random draws), so that it can be admitted again."""
     row.generated.clear()
+    row.generated_logprobs = []
     row.finish_reason = None
     row.tokens = row.hidden = row.features = None
     row.states = []
@@ -135,9 +136,6 @@ class RequestHandle:
     _result: RequestResult | None = field(default=None, repr=False)
     _listener: Callable[[Delta | None], None] | None = field(default=None, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    _logprobs: list[TokenLogprob] = field(default_factory=list, repr=False)  # those delivered so far
-    #: The prompt's log-probabilities (submitted with ``prompt_logprobs=``), set before its first delta.
-    prompt_logprobs: list[TokenLogprob | None] | None = field(default=None, repr=False)
 
     def stream(self, timeout: float | None = None) -> Iterator[Delta]:
         """Yield :class:`Delta` objects as the engine accepts tokens, until the request ends.
@@ -290,8 +288,8 @@ class Engine:
         strategies: this request's strategies instead of the engine's (None: the engine's).
         logprobs: report each generated token's log-probability and this many alternatives
             (0..20) in its :class:`Delta` and the result (None: off). See :mod:`accel.logprobs`.
-        prompt_logprobs: the same for the prompt's tokens (``RequestHandle.prompt_logprobs``
-            once its first delta is out, and the result); such a prompt reuses no cached prefix.
+        prompt_logprobs: the same for the prompt's tokens, in the result (None for the first
+            token); such a prompt reuses no cached prefix.
         """
         if self._closed.is_set():
             raise RuntimeError("the engine is closed")
@@ -476,8 +474,6 @@ class Engine:
 
     def _join(self, new: list[RequestHandle]) -> None:
         """Requests whose prefill ended join the running ones; their first tokens go out."""
-        for h in new:
-            h.prompt_logprobs = h.row.prompt_logprob_list
         with self._lock:
             self._live.extend(new)
         self._deliver([(h.row, list(h.row.generated)) for h in new], count_step=False)
@@ -513,9 +509,7 @@ class Engine:
             h: RequestHandle = row.tag
             if new:
                 text = h._text.push(new, final=row.done) if h._text is not None else None
-                lps = list(row.new_logprobs[: len(new)]) if row.logprobs is not None else None
-                if lps is not None:
-                    h._logprobs.extend(lps)
+                lps = row.generated_logprobs[-len(new):] if row.logprobs is not None else None
                 h._put(Delta(list(new), text, logprobs=lps))
             if count_step:
                 accepted += row.stats.accepted_per_step[-1] if row.stats.accepted_per_step else 0
@@ -555,7 +549,7 @@ class Engine:
                 h._put(Delta([], tail))
         h._result = RequestResult(tokens=list(row.generated), text=text, finish_reason=row.finish_reason,
                                   prompt_tokens=int(row.prompt.numel()), stats=row.stats, error=error,
-                                  logprobs=list(h._logprobs) if row.logprobs is not None else None,
+                                  logprobs=list(row.generated_logprobs) if row.logprobs is not None else None,
                                   prompt_logprobs=row.prompt_logprob_list)
         h._put(Delta([], "" if h._text is not None else None, True, row.finish_reason))
         h._put(_END)
