@@ -23,6 +23,14 @@ selection that each layer applies as it stores its prompt keys, so the full prom
 all layers never coexists. Layers with a sliding window keep only the entries their window
 can still see (they are never compressed: their memory is bounded by the window already).
 
+Quantized groups (a :class:`~accel.strategy.KVQuantizer` such as GEAR, :meth:`pack`): a
+layer may hold each row's oldest entries as packed groups (what the quantizer's ``encode``
+made of them) and only the rest as entries. Such a layer's entry buffer holds row ``b``'s
+columns from ``shift_b`` (its packed columns) on, and attention reads a materialized copy:
+before the layer attends, the packed groups of every row are decoded into one scratch
+buffer that all layers share, followed by each row's entries (:meth:`_materialize`), so
+only one layer's worth of full-precision entries exists at a time.
+
 Rows join with :meth:`extend` (the rows of another cache, e.g. freshly prefilled requests)
 and leave with :meth:`remove` (the last row moves into the freed slot: one row copied per
 departure, nothing on the steps in between). :meth:`cut` takes rows back to earlier
@@ -32,12 +40,15 @@ lengths (a draft model's cache, after the verifier rejected some of its drafts).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
 from .adapter import TransformersCache
 from .kernels.ordered import Layout
+
+if TYPE_CHECKING:
+    from .strategy import KVQuantizer
 
 __all__ = ["SharedCache", "RowSelector"]
 
@@ -46,6 +57,82 @@ _GROW = 256
 
 # (layer_idx, row, keys [1, H_kv, n, D], values) -> (indices [1, H_kv, K], valid [1, H_kv, K] | None) | None
 RowSelector = Callable[[int, int, torch.Tensor, torch.Tensor], "tuple[torch.Tensor, torch.Tensor | None] | None"]
+
+
+class _Packed:
+    """One layer's quantized groups: every part the quantizer's ``encode`` makes, stored
+    ``[Bcap, H_kv, gcap, ...]`` (row, KV head, group), and how many groups each row holds."""
+
+    def __init__(self, codec: "KVQuantizer", rows: int):
+        self.codec = codec
+        self.group = codec.group_size()
+        self.parts: dict[str, torch.Tensor] = {}
+        self.groups: list[int] = [0] * rows
+
+    def columns(self, row: int) -> int:
+        """Entries of ``row`` held as groups (its oldest ones)."""
+        return self.groups[row] * self.group
+
+    def _reserve(self, rows: int, groups: int, like: dict[str, torch.Tensor]) -> None:
+        """Room for ``rows`` x ``groups``; ``like``: parts [H_kv, m, ...] of the shapes to hold."""
+        first = next(iter(self.parts.values()), None)
+        if first is not None and first.shape[0] >= rows and first.shape[2] >= groups:
+            return
+        old_rows, old_groups = (first.shape[0], first.shape[2]) if first is not None else (0, 0)
+        new_rows = max(rows, old_rows)
+        # the first groups exactly (a prefill's); later growth with an eighth to spare
+        new_groups = (groups if not old_groups else max(groups + groups // 8, old_groups)) if groups > old_groups \
+            else old_groups
+        for name, t in like.items():
+            grown = t.new_zeros((new_rows, t.shape[0], new_groups, *t.shape[2:]))
+            old = self.parts.get(name)
+            if old is not None:
+                grown[:old_rows, :, :old_groups] = old
+            self.parts[name] = grown
+
+    def append(self, row: int, parts: dict[str, torch.Tensor]) -> None:
+        """Add m groups ``parts`` (each [H_kv, m, ...]) behind row ``row``'s."""
+        m = next(iter(parts.values())).shape[1]
+        g = self.groups[row]
+        self._reserve(len(self.groups), g + m, parts)
+        for name, t in parts.items():
+            self.parts[name][row, :, g : g + m] = t
+        self.groups[row] = g + m
+
+    def add_rows(self, other: "_Packed | None", count: int) -> None:
+        """Append ``count`` rows: the first rows of ``other``, or rows without groups."""
+        start = len(self.groups)
+        self.groups += other.groups[:count] if other is not None else [0] * count
+        if other is None or not other.parts:
+            if self.parts:
+                self._reserve(len(self.groups), 0, {n: t[0] for n, t in self.parts.items()})
+            return
+        self._reserve(len(self.groups), max(self.groups), {n: t[0] for n, t in other.parts.items()})
+        for name, t in other.parts.items():
+            g = min(t.shape[2], self.parts[name].shape[2])
+            self.parts[name][start : start + count, :, :g] = t[:count, :, :g]
+
+    def move(self, dst: int, src: int) -> None:
+        """Row ``src``'s groups become row ``dst``'s."""
+        for t in self.parts.values():
+            t[dst, :, : self.groups[src]] = t[src, :, : self.groups[src]]
+        self.groups[dst] = self.groups[src]
+
+    def decode(self, rows: slice, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write rows ``rows``'s groups (up to the most any of them holds) into the first
+        columns of ``keys``, ``values`` [len(rows), H_kv, >= columns, D]."""
+        g = max(self.groups[rows], default=0)
+        if not g:
+            return
+        width = g * self.group
+        parts = {name: t[rows, :, :g] for name, t in self.parts.items()}
+        self.codec.decode(parts, keys[:, :, :width].unflatten(2, (g, self.group)),
+                          values[:, :, :width].unflatten(2, (g, self.group)))
+
+    def nbytes(self, row: int | None = None) -> int:
+        """Bytes of the parts holding one row's groups (all rows' with None)."""
+        rows = range(len(self.groups)) if row is None else [row]
+        return sum(t[r, :, : self.groups[r]].numel() * t.element_size() for t in self.parts.values() for r in rows)
 
 
 @dataclass
@@ -91,6 +178,11 @@ class SharedCache(TransformersCache):
         self._valid: list[torch.Tensor | None] = [None] * num_layers
         # [Bcap, cap] logical position of every entry, on sliding-window layers only.
         self._pos: list[torch.Tensor | None] = [None] * num_layers
+        # per layer: its rows' quantized groups (pack()); the entry buffer then holds row b's
+        # columns from its packed columns on
+        self._packed: list[_Packed | None] = [None] * num_layers
+        self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # what packed layers attend to
+        self._grow = [_GROW] * num_layers  # columns added when a layer's entry buffer grows
         self.logical_lengths: list[int] = []
         self._prefill: _Prefill | None = None
         self._masks: list[torch.Tensor | None] = [None] * num_layers
@@ -143,22 +235,75 @@ class SharedCache(TransformersCache):
         )
 
     def kept_bytes(self, row: int | None = None) -> int:
-        """Bytes of the committed K and V entries over all layers (of one row, or all)."""
+        """Bytes of the tensors holding the committed entries over all layers (of one row,
+        or all): full-precision entries at their size, quantized groups at the size of the
+        parts stored for them (measured from those tensors, not from a formula)."""
         total = 0
-        for k, rows in zip(self._k, self._len):
+        for layer, (k, rows) in enumerate(zip(self._k, self._len)):
             if k is None:
                 continue
-            n = sum(rows) if row is None else rows[row]
+            shifts = self._shifts(layer)
+            picked = range(len(rows)) if row is None else [row]
+            n = sum(rows[r] - shifts[r] for r in picked)
             total += 2 * n * k.shape[1] * k.shape[3] * k.element_size()
+            if self._packed[layer] is not None:
+                total += self._packed[layer].nbytes(row)
         return total
 
+    def storage_bytes(self) -> int:
+        """Bytes of every tensor the cache holds (the sum of their storages: spare capacity,
+        masks' validity, positions and the packed layers' scratch buffer included)."""
+        tensors = [*self._k, *self._v, *self._valid, *self._pos, *(self._scratch or ())]
+        tensors += [t for p in self._packed if p is not None for t in p.parts.values()]
+        seen: dict[int, int] = {}
+        for t in tensors:
+            if t is not None:
+                storage = t.untyped_storage()
+                seen[storage.data_ptr()] = storage.nbytes()
+        return sum(seen.values())
+
+    @property
+    def packed(self) -> bool:
+        """Whether some layer holds quantized groups (:meth:`pack`)."""
+        return any(p is not None and any(p.groups) for p in self._packed)
+
+    def packed_columns(self, layer_idx: int, row: int) -> int:
+        """Row ``row``'s oldest entries of one layer held as quantized groups (0: none)."""
+        p = self._packed[layer_idx]
+        return p.columns(row) if p is not None else 0
+
+    def _shifts(self, layer: int) -> list[int]:
+        """Per row, the column where the layer's entry buffer starts (its packed columns)."""
+        p = self._packed[layer]
+        return [p.columns(r) for r in range(len(self._len[layer]))] if p is not None else [0] * len(self._len[layer])
+
+    def _low(self, layer: int) -> int:
+        return min(self._shifts(layer), default=0)
+
+    def _dense_used(self, layer: int) -> int:
+        """Columns of the layer's entry buffer in use (the longest row's, this step's included)."""
+        return self.physical_length(layer) - self._low(layer)
+
     def keys(self, layer_idx: int, row: int = 0) -> torch.Tensor:
-        """Committed keys of one row and layer, [1, H_kv, n, D] (a view)."""
-        return self._k[layer_idx][row : row + 1, :, : self._len[layer_idx][row]]
+        """Committed keys of one row and layer, [1, H_kv, n, D]: a view, or a new tensor
+        (the groups decoded) where the layer holds some of the row's entries packed."""
+        return self._entries(layer_idx, row)[0]
 
     def values(self, layer_idx: int, row: int = 0) -> torch.Tensor:
-        """Committed values of one row and layer, [1, H_kv, n, D] (a view)."""
-        return self._v[layer_idx][row : row + 1, :, : self._len[layer_idx][row]]
+        """Committed values of one row and layer, [1, H_kv, n, D] (as :meth:`keys`)."""
+        return self._entries(layer_idx, row)[1]
+
+    def _entries(self, layer: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n, q = self._len[layer][row], self.packed_columns(layer, row)
+        k, v = self._k[layer], self._v[layer]
+        if not q:
+            return k[row : row + 1, :, :n], v[row : row + 1, :, :n]
+        keys = k.new_empty((1, k.shape[1], n, k.shape[3]))
+        values = v.new_empty(keys.shape)
+        self._packed[layer].decode(slice(row, row + 1), keys, values)
+        keys[:, :, q:] = k[row : row + 1, :, : n - q]
+        values[:, :, q:] = v[row : row + 1, :, : n - q]
+        return keys, values
 
     def entry_valid(self, layer_idx: int, row: int = 0) -> torch.Tensor | None:
         """[H_kv, n] validity of one row's committed entries, None when all are valid."""
@@ -173,21 +318,24 @@ class SharedCache(TransformersCache):
 
     # ------------------------------------------------------------------ storage
 
-    def _reserve(self, layer: int, rows: int, cols: int, like: torch.Tensor) -> None:
-        """Make layer storage hold at least ``rows`` x ``cols`` entries, keeping its content."""
+    def _reserve(self, layer: int, rows: int, cols: int, like: torch.Tensor, exact: bool = False) -> None:
+        """Make layer storage hold at least ``rows`` x ``cols`` entries (columns of the entry
+        buffer: past each row's packed ones), keeping its content; ``exact``: no spare columns."""
         k = self._k[layer]
-        if k is not None and k.shape[0] >= rows and k.shape[2] >= cols:
+        if not exact and k is not None and k.shape[0] >= rows and k.shape[2] >= cols:
             return
         h, d = like.shape[1], like.shape[3]
         old_rows = k.shape[0] if k is not None else 0
         old_cols = k.shape[2] if k is not None else 0
         new_rows = max(rows, old_rows, min(self.row_capacity, 2 * old_rows) if rows > old_rows else 0)
-        new_cols = max(old_cols, cols + _GROW) if (k is None or cols > old_cols) else old_cols
+        new_cols = max(old_cols, cols + self._grow[layer]) if (k is None or cols > old_cols) else old_cols
+        if exact:
+            new_cols = cols
         # zeros, not empty: masked-out columns still meet V in the attention matmul (0 * NaN = NaN)
         nk = like.new_zeros((new_rows, h, new_cols, d))
         nv = like.new_zeros((new_rows, h, new_cols, d))
         live = min(len(self._len[layer]), old_rows)
-        used = self.physical_length(layer)
+        used = min(self._dense_used(layer), old_cols, new_cols)
         if k is not None and live and used:
             nk[:live, :, :used] = k[:live, :, :used]
             nv[:live, :, :used] = self._v[layer][:live, :, :used]
@@ -217,9 +365,46 @@ class SharedCache(TransformersCache):
             return keys, values  # the prompt attends to the whole prompt
         bsz, t = keys.shape[0], keys.shape[2]
         base, span = self.claim(layer_idx, bsz, t, keys)
-        self._k[layer_idx][:bsz, :, base : base + t] = keys
-        self._v[layer_idx][:bsz, :, base : base + t] = values
-        return self._k[layer_idx][:bsz, :, :span], self._v[layer_idx][:bsz, :, :span]
+        k, v = self._k[layer_idx], self._v[layer_idx]
+        shifts = self._shifts(layer_idx)
+        if not any(shifts[:bsz]):
+            k[:bsz, :, base : base + t] = keys
+            v[:bsz, :, base : base + t] = values
+            return k[:bsz, :, :span], v[:bsz, :, :span]
+        if len(set(shifts)) == 1:
+            s = shifts[0]
+            k[:bsz, :, base - s : base - s + t] = keys
+            v[:bsz, :, base - s : base - s + t] = values
+        else:
+            for b, s in enumerate(shifts):
+                k[b, :, base - s : base - s + t] = keys[b]
+                v[b, :, base - s : base - s + t] = values[b]
+        return self._materialize(layer_idx, bsz, span)
+
+    def _materialize(self, layer: int, bsz: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """What a layer holding packed groups attends to: [B, H_kv, span, D] keys and values
+        in the scratch buffer every such layer shares (valid until the next layer's call):
+        each row's groups decoded, then its entries (this step's included)."""
+        k, v = self._k[layer], self._v[layer]
+        sk = self._scratch[0] if self._scratch is not None else None
+        if sk is None or sk.shape[0] < bsz or sk.shape[2] < span or sk.shape[1:4:2] != k.shape[1:4:2] \
+                or sk.dtype != k.dtype:
+            cols = span + self._grow[layer]
+            self._scratch = (k.new_zeros((bsz, k.shape[1], cols, k.shape[3])),
+                             k.new_zeros((bsz, k.shape[1], cols, k.shape[3])))
+        sk, sv = self._scratch
+        self._packed[layer].decode(slice(0, bsz), sk[:bsz], sv[:bsz])
+        used = self.physical_length(layer)
+        shifts = self._shifts(layer)
+        if len(set(shifts)) == 1:
+            s = shifts[0]
+            sk[:bsz, :, s:used] = k[:bsz, :, : used - s]
+            sv[:bsz, :, s:used] = v[:bsz, :, : used - s]
+        else:
+            for b, s in enumerate(shifts):
+                sk[b, :, s:used] = k[b, :, : used - s]
+                sv[b, :, s:used] = v[b, :, : used - s]
+        return sk[:bsz, :, :span], sv[:bsz, :, :span]
 
     def claim(self, layer_idx: int, bsz: int, t: int, like: torch.Tensor) -> tuple[int, int]:
         """Make room for T new entries per row in one layer and book them as this step's
@@ -233,7 +418,7 @@ class SharedCache(TransformersCache):
             raise ValueError(f"the forward has {bsz} rows but the cache holds {self.batch_size}")
         base = self.physical_length(layer_idx)
         span = self._span(base + t)
-        self._reserve(layer_idx, bsz, span, like)
+        self._reserve(layer_idx, bsz, span - self._low(layer_idx), like)
         if self._pos[layer_idx] is not None and self._step_positions is not None:
             self._pos[layer_idx][:bsz, base : base + t] = self._step_positions
         if not self._pending[layer_idx]:
@@ -242,7 +427,10 @@ class SharedCache(TransformersCache):
         return base, span
 
     def storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's whole key and value buffers, [Bcap, H_kv, capacity, D] each."""
+        """One layer's whole key and value buffers, [Bcap, H_kv, capacity, D] each (not for
+        a layer holding packed groups: its entries are not all in them)."""
+        if self._packed[layer_idx] is not None and any(self._packed[layer_idx].groups):
+            raise RuntimeError(f"storage() of layer {layer_idx}, which holds quantized groups")
         return self._k[layer_idx], self._v[layer_idx]
 
     # ------------------------------------------------------------------ prefill
@@ -273,7 +461,7 @@ class SharedCache(TransformersCache):
         chunks append without copying what came before)."""
         for layer in range(self.num_layers):
             if self._k[layer] is not None and self.windows[layer] is None:
-                self._reserve(layer, self.batch_size, columns, self._k[layer])
+                self._reserve(layer, self.batch_size, columns - self._low(layer), self._k[layer])
 
     def compress_prompt(self, select: RowSelector) -> None:
         """Compress rows that hold their whole prompts, uncompressed and committed (a chunked
@@ -281,8 +469,8 @@ class SharedCache(TransformersCache):
         prefill: per full-attention layer, each row's n prompt entries ``[1, H_kv, n, D]`` are
         offered to ``select`` and only what it keeps is stored (in storage of the kept size;
         the uncompressed layer is freed before the next one is compressed)."""
-        if any(self._pending) or self._prefill is not None:
-            raise RuntimeError("compress_prompt() with uncommitted entries or inside a prefill")
+        if any(self._pending) or self._prefill is not None or self.packed:
+            raise RuntimeError("compress_prompt() with uncommitted entries, quantized groups or inside a prefill")
         lengths = list(self.logical_lengths)
         self._prefill = _Prefill(lengths, select)
         try:
@@ -491,15 +679,17 @@ class SharedCache(TransformersCache):
     def _move(self, layer: int, base: int, offsets: list[list[int]], memo: dict[tuple, tuple | None]) -> None:
         """Move row b's appended entries ``base + offsets[b]`` to just behind its committed ones."""
         lengths = self._len[layer]
-        key = (base, tuple(lengths))
+        shifts = self._shifts(layer)  # row b's column c sits at c - shifts[b] in the buffer
+        key = (base, tuple(lengths), tuple(shifts))
         if key not in memo:
             width = max((len(o) for o in offsets), default=0)
             memo[key] = None
             if width and any(n != base or o != list(range(len(o))) for n, o in zip(lengths, offsets)):
                 device = self._k[layer].device
-                src = torch.tensor([[base + x for x in _pad_to(o, width)] for o in offsets], dtype=torch.long,
-                                   device=device)  # [B, A]
-                dst = torch.tensor([[n + i for i in range(width)] for n in lengths], dtype=torch.long, device=device)
+                src = torch.tensor([[base - s + x for x in _pad_to(o, width)] for o, s in zip(offsets, shifts)],
+                                   dtype=torch.long, device=device)  # [B, A]
+                dst = torch.tensor([[n - s + i for i in range(width)] for n, s in zip(lengths, shifts)],
+                                   dtype=torch.long, device=device)
                 memo[key] = (torch.arange(len(lengths), device=device).unsqueeze(1), src, dst)
         moves = memo[key]
         if moves is not None:
@@ -541,6 +731,8 @@ class SharedCache(TransformersCache):
         for layer in range(self.num_layers):
             if any(d > n for d, n in zip(drops, self._len[layer])):
                 raise ValueError(f"cut() would drop more entries than layer {layer} keeps")
+            if any(n - d < s for d, n, s in zip(drops, self._len[layer], self._shifts(layer))):
+                raise ValueError(f"cut() would drop entries layer {layer} holds as quantized groups")
         for layer in range(self.num_layers):
             self._len[layer] = [n - d for n, d in zip(self._len[layer], drops)]
         self.logical_lengths = lengths
@@ -580,6 +772,8 @@ class SharedCache(TransformersCache):
         fewer than K entries), masked out of attention."""
         if self._pending[layer_idx]:
             raise RuntimeError("select() on a layer with uncommitted entries; commit() first")
+        if self._packed[layer_idx] is not None and any(self._packed[layer_idx].groups):
+            raise RuntimeError(f"select() on layer {layer_idx}, which holds quantized groups")
         bsz = self.batch_size
         k, v = _gather(self._k[layer_idx][:bsz], self._v[layer_idx][:bsz], indices)
         self._k[layer_idx], self._v[layer_idx] = None, None
@@ -601,6 +795,10 @@ class SharedCache(TransformersCache):
             raise ValueError(f"evict_row() on sliding-window layer {layer_idx}: its window bounds it already")
         keys, values = _gather(self.keys(layer_idx, row), self.values(layer_idx, row), indices)
         width = indices.shape[2]
+        packed = self._packed[layer_idx]
+        if packed is not None and packed.groups[row]:  # the kept entries return to full precision
+            self._reserve(layer_idx, self._k[layer_idx].shape[0], width, keys)
+            packed.groups[row] = 0
         self._k[layer_idx][row, :, :width] = keys[0]
         self._v[layer_idx][row, :, :width] = values[0]
         self._len[layer_idx][row] = width
@@ -619,15 +817,36 @@ class SharedCache(TransformersCache):
             if bool(kept.all()):
                 self._valid[layer_idx] = None
 
-    def rewrite(self, layer_idx: int, row: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace row ``row``'s committed entries of one layer at columns ``start ..
-        start + m - 1`` by ``keys``, ``values`` [1, H_kv, m, D] (their quantized form)."""
-        m = keys.shape[2]
-        if start < 0 or start + m > self._len[layer_idx][row]:
-            raise ValueError(f"rewrite() of columns {start}..{start + m - 1} beyond the row's "
-                             f"{self._len[layer_idx][row]} entries")
-        self._k[layer_idx][row, :, start : start + m] = keys[0]
-        self._v[layer_idx][row, :, start : start + m] = values[0]
+    def pack(self, layer_idx: int, row: int, groups: int, codec: "KVQuantizer") -> None:
+        """Quantize row ``row``'s oldest ``groups`` x G entries of one layer that are not yet
+        packed: what ``codec.encode`` makes of them replaces them (the entries after them
+        move to the front of the row's buffer; the buffer shrinks once no row needs it)."""
+        if self._pending[layer_idx]:
+            raise RuntimeError("pack() on a layer with uncommitted entries; commit() first")
+        if self.windows[layer_idx] is not None:
+            raise ValueError(f"pack() on sliding-window layer {layer_idx}: its window bounds it already")
+        p = self._packed[layer_idx]
+        if p is None:
+            p = self._packed[layer_idx] = _Packed(codec, self.batch_size)
+        elif p.codec != codec:
+            raise ValueError(f"layer {layer_idx} holds groups of {p.codec.name}, not of {codec.name}")
+        g = p.group
+        shift, n = p.columns(row), self._len[layer_idx][row]
+        m = groups * g
+        if groups <= 0 or shift + m > n:
+            raise ValueError(f"pack() of {groups} groups of {g} after the row's {shift} packed entries, "
+                             f"of {n} it holds")
+        k, v = self._k[layer_idx], self._v[layer_idx]
+        h, d = k.shape[1], k.shape[3]
+        p.append(row, codec.encode(k[row, :, :m].reshape(h, groups, g, d), v[row, :, :m].reshape(h, groups, g, d)))
+        tail = n - shift - m
+        if tail:
+            k[row, :, :tail] = k[row, :, m : m + tail].clone()
+            v[row, :, :tail] = v[row, :, m : m + tail].clone()
+        self._grow[layer_idx] = g
+        need = self._dense_used(layer_idx)
+        if k.shape[2] > need + 2 * g:  # give the packed entries' memory back
+            self._reserve(layer_idx, k.shape[0], need + g, k, exact=True)
 
     def entries_per_head(self, layer_idx: int, row: int) -> int:
         """Valid committed entries of one row and layer per KV head, averaged over the heads
@@ -652,10 +871,15 @@ class SharedCache(TransformersCache):
             ok = other._k[layer]
             if ok is None:
                 continue
-            n = other.committed_length(layer)
-            self._reserve(layer, start + add, max(self.committed_length(layer), n), ok)
+            n = other._dense_used(layer)
+            self._reserve(layer, start + add, max(self._dense_used(layer) if self._k[layer] is not None else 0, n), ok)
             self._k[layer][start : start + add, :, :n] = ok[:add, :, :n]
             self._v[layer][start : start + add, :, :n] = other._v[layer][:add, :, :n]
+            if other._packed[layer] is not None or self._packed[layer] is not None:
+                if self._packed[layer] is None:
+                    self._packed[layer] = _Packed(other._packed[layer].codec, start)
+                self._packed[layer].add_rows(other._packed[layer], add)
+                self._grow[layer] = self._packed[layer].group
             if self._pos[layer] is not None:
                 self._pos[layer][start : start + add, :n] = other._pos[layer][:add, :n]
             ov, sv = other._valid[layer], self._valid[layer]
@@ -679,16 +903,22 @@ class SharedCache(TransformersCache):
         for layer in range(self.num_layers):
             if self._k[layer] is None:
                 continue
+            packed = self._packed[layer]
             if row != last:
-                n = self._len[layer][last]
+                n = self._len[layer][last] - self.packed_columns(layer, last)
                 self._k[layer][row, :, :n] = self._k[layer][last, :, :n]
                 self._v[layer][row, :, :n] = self._v[layer][last, :, :n]
+                if packed is not None:
+                    packed.move(row, last)
+                n = self._len[layer][last]
                 if self._pos[layer] is not None:
                     self._pos[layer][row, :n] = self._pos[layer][last, :n]
                 if self._valid[layer] is not None:
                     self._valid[layer][row] = self._valid[layer][last]
                 self._len[layer][row] = n
             self._len[layer].pop()
+            if packed is not None:
+                packed.groups.pop()
             if self._valid[layer] is not None:
                 self._valid[layer][last] = True
                 if not self._len[layer]:
@@ -700,6 +930,9 @@ class SharedCache(TransformersCache):
             self._v = [None] * self.num_layers
             self._pos = [None] * self.num_layers
             self._len = [[] for _ in range(self.num_layers)]
+            self._packed = [None] * self.num_layers
+            self._scratch = None
+            self._grow = [_GROW] * self.num_layers
 
 
 def _gather(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor):

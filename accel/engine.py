@@ -203,7 +203,10 @@ class Stats:
     accepted_tokens: int = 0  # draft tokens accepted (bonus tokens excluded)
     decode_tokens: int = 0  # tokens emitted by the verify steps (after the prefill's first one)
     kv_bytes_full: int = 0  # what an uncompressed cache would hold for the same tokens
-    kv_bytes_kept: int = 0  # what the shared cache holds
+    kv_bytes_kept: int = 0  # bytes of the cache's tensors holding this row's entries (packed groups at their size)
+    # bytes of every tensor of the batch's cache when the row finished (spare room and scratch
+    # included; shared by the batch's rows, so not summed over them)
+    kv_bytes_stored: int = 0
     first_token_s: float = 0.0
     latency_s: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)  # accepted drafts, per step
@@ -686,7 +689,8 @@ class Batch:
         i = next(i for i, r in enumerate(self.rows) if r is row)
         s = row.stats
         s.new_tokens = len(row.generated)
-        s.kv_bytes_kept = row.upkeep.kept_bytes(self.cache, i) if row.upkeep is not None else self.cache.kept_bytes(i)
+        s.kv_bytes_kept = self.cache.kept_bytes(i)
+        s.kv_bytes_stored = self.cache.storage_bytes()
         s.kv_bytes_full = self.geo.entry_bytes() * self.cache.logical_lengths[i]
         remember(self.model, row)
         self.cache.remove(i)

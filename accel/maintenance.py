@@ -30,13 +30,14 @@ that reach into the window before the next eviction, so other steps pay nothing 
 
 Quantization. After the prefill every full group of G entries a row keeps is quantized, then
 each group of generated entries as soon as it fills; the newest entries (fewer than G) stay
-in full precision. The cache holds the dequantized numbers, so attention is unchanged and
-what it computes with is what a packed store would give back (simulated quantization);
-:meth:`Upkeep.kept_bytes` counts what a packed store holds (:meth:`KVQuantizer.group_bytes`
-per group). Sliding-window layers stay in full precision (their oldest entries are trimmed).
-With eviction too, an eviction keeps each head's quantized entries in front; the quantized
-frontier becomes the fewest any head kept (entries past it of other heads are quantized
-again with the next group) and the quantized bytes shrink in proportion.
+in full precision. The cache stores the groups packed (:meth:`~accel.cache.SharedCache.pack`:
+what the quantizer's ``encode`` makes of them, in place of the entries) and attention reads
+them decoded, so the row's kept bytes are the size of the tensors its cache holds.
+Sliding-window layers stay in full precision (their oldest entries are trimmed). With
+eviction too, an eviction decodes the row's groups, keeps the chosen entries in full
+precision, and their full groups are quantized again right after (from the decoded values:
+the second rounding is part of the eviction, at the same lengths in drafted and plain
+decoding).
 """
 
 from __future__ import annotations
@@ -70,8 +71,7 @@ class Upkeep:
     positions: dict[int, torch.Tensor] = field(default_factory=dict)
     since: int = 0
     quantize_at: int | None = None  # logical length at which a group fills next
-    quantized: dict[int, int] = field(default_factory=dict)  # layer -> columns [0, q) are quantized
-    quantized_bytes: dict[int, int] = field(default_factory=dict)  # layer -> bytes a packed store holds for them
+    quantized: dict[int, int] = field(default_factory=dict)  # layer -> columns [0, q) are packed groups
     evictions: int = 0  # times the row was evicted (all layers at once)
 
     @property
@@ -171,52 +171,22 @@ class Upkeep:
                 self.positions[layer] = positions
                 continue
             self.positions[layer] = positions.gather(1, sel.indices[0])
-            if self.quantizer is not None and self.quantized[layer]:
-                self._keep_frontier(layer, sel.indices, sel.valid)
             cache.evict_row(layer, row, sel.indices, sel.valid)
+            if self.quantizer is not None:
+                self.quantized[layer] = cache.packed_columns(layer, row)
         self.since = length
         if self.budget is None:
             self.evict_at = length + self.slack
         self.evictions += 1
 
-    def _keep_frontier(self, layer: int, indices: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """After an eviction keeping ``indices`` [1, H_kv, K]: the quantized columns are the
-        fewest quantized entries any head kept; their bytes shrink in proportion."""
-        q = self.quantized[layer]
-        below = indices < q
-        if valid is not None:
-            below &= valid
-        kept = int(below.sum(-1).min())
-        self.quantized_bytes[layer] = self.quantized_bytes[layer] * kept // q
-        self.quantized[layer] = kept
-
     def _quantize(self, cache: SharedCache, row: int) -> None:
         group = self.quantizer.group_size()
         for layer in self.layers:
-            q, n = self.quantized[layer], cache.row_lengths(layer)[row]
+            q, n = cache.packed_columns(layer, row), cache.row_lengths(layer)[row]
             groups = (n - q) // group
-            if groups <= 0:
-                continue
-            end = q + groups * group
-            keys, values = cache.keys(layer, row)[:, :, q:end], cache.values(layer, row)[:, :, q:end]
-            h, d = keys.shape[1], keys.shape[3]
-            # [1, H, m * G, D] -> [m, H, G, D]: each group of G columns one row of the quantizer
-            k = keys.reshape(h, groups, group, d).transpose(0, 1)
-            v = values.reshape(h, groups, group, d).transpose(0, 1)
-            kq, vq = self.quantizer.quantize(k, v)
-            cache.rewrite(layer, row, q, kq.transpose(0, 1).reshape(1, h, groups * group, d),
-                          vq.transpose(0, 1).reshape(1, h, groups * group, d))
-            self.quantized[layer] = end
-            self.quantized_bytes[layer] += groups * self.quantizer.group_bytes(h, d, keys.element_size())
-
-    def kept_bytes(self, cache: SharedCache, row: int) -> int:
-        """Bytes of the row's cache as a packed store holds it: quantized columns at their
-        packed size, the others at full precision."""
-        total = cache.kept_bytes(row)
-        for layer, q in self.quantized.items():
-            keys = cache.keys(layer, row)
-            total += self.quantized_bytes[layer] - 2 * q * keys.shape[1] * keys.shape[3] * keys.element_size()
-        return total
+            if groups > 0:
+                cache.pack(layer, row, groups, self.quantizer)
+            self.quantized[layer] = cache.packed_columns(layer, row)
 
 
 def prompt_queries(queries: dict[int, torch.Tensor], b: int, prompt_len: int, window: int) -> dict[int, torch.Tensor]:
@@ -277,8 +247,7 @@ def start(compressor: PromptCompressor | None, quantizer: KVQuantizer | None, ca
             for p in range(length - m, length):
                 up.slots[p % up.window] = p
     if quantizer is not None:
-        up.quantized = {layer: 0 for layer in layers}
-        up.quantized_bytes = {layer: 0 for layer in layers}
+        up.quantized = {layer: cache.packed_columns(layer, row) for layer in layers}
     up.run(cache, row, tokens)
     return up
 

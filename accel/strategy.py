@@ -299,11 +299,14 @@ class Drafter(Strategy):
 
 
 class KVQuantizer(Strategy):
-    """Quantizes the entries a row keeps, a group of tokens at a time (see
+    """Quantizes the entries a row keeps, a group of G tokens at a time (see
     :mod:`accel.maintenance`): after the prefill every full group of the kept prompt entries,
     then each group of generated entries as it fills; the newest entries stay in full
-    precision until their group fills. The cache holds the dequantized numbers (attention is
-    unchanged); :meth:`group_bytes` is what a packed store holds for a group."""
+    precision until their group fills.
+
+    The cache stores what :meth:`encode` returns (packed codes, scales, ...) in place of the
+    group's full-precision entries, and attention reads the groups back through
+    :meth:`decode`, layer by layer, each step (:class:`accel.cache.SharedCache`)."""
 
     quantizes_kv: ClassVar[bool] = True
 
@@ -315,14 +318,29 @@ class KVQuantizer(Strategy):
         """Raise a ValueError naming the field if the quantizer cannot serve a cache of this
         shape (called before the prefill). The default accepts every shape."""
 
-    def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values: [R, H_kv, G, D] one group of R rows -> their dequantized
-        reconstructions, same shape and dtype."""
+    def encode(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """keys, values [H_kv, m, G, D]: m groups of one row -> the tensors that stand for
+        them, each ``[H_kv, m, ...]`` (the cache keeps them per row and group)."""
         raise NotImplementedError
 
+    def decode(self, parts: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write the groups ``parts`` (each ``[B, H_kv, g, ...]``, as :meth:`encode` made
+        them) back as entries into ``keys``, ``values`` [B, H_kv, g, G, D] (views of the
+        attention buffers, of the cache's dtype)."""
+        raise NotImplementedError
+
+    def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [H_kv, m, G, D] -> what attention reads back for them (same shape
+        and dtype): :meth:`decode` of :meth:`encode`."""
+        parts = {name: t.unsqueeze(0) for name, t in self.encode(keys, values).items()}
+        k, v = torch.empty_like(keys).unsqueeze(0), torch.empty_like(values).unsqueeze(0)
+        self.decode(parts, k, v)
+        return k[0], v[0]
+
     def group_bytes(self, num_kv_heads: int, head_dim: int, element_size: int) -> int:
-        """Bytes a packed store holds for one quantized group of one row and layer, keys and
-        values together (codes, scales, zero points, and whatever else the method keeps)."""
+        """Bytes :meth:`encode` makes for one group of one row and layer, keys and values
+        together (a formula; the cache reports what its tensors hold, and tests check they
+        agree)."""
         raise NotImplementedError
 
 

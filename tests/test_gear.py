@@ -89,14 +89,19 @@ def test_kept_bytes_count_the_packed_groups_and_the_full_tail(model):
     assert res.stats.kv_bytes_full == 54 * 2 * per_entry
 
 
+def _decode_budget():
+    return SnapKV(budget=20, window=4, kernel=3, decode_budget=14, decode_slack=4)
+
+
 @pytest.mark.parametrize("strategies", [
     [GEAR(group=8)],
-    [SnapKV(budget=20, window=4, kernel=3, decode_budget=14, decode_slack=4), GEAR(bits=2, group=8, rank=1)],
+    [_decode_budget(), GEAR(bits=2, group=8, rank=1, outliers=0)],
 ], ids=["gear", "snapkv_decode_budget+gear2"])
 def test_drafting_equals_plain_decoding_on_the_quantized_cache(model, strategies):
-    """Greedy drafting gives plain decoding's tokens on the quantized cache, batch of 2: a
-    group is quantized at the same length in both, as no step verifies tokens past the
-    length where the next group fills (decode_snapshots asserts it)."""
+    """Greedy drafting gives plain decoding's tokens on the quantized cache, batch of 2 (rows
+    of different packed lengths): a group is quantized at the same length in both, as no
+    step verifies tokens past the length where the next group fills (decode_snapshots
+    asserts it)."""
     new = 30
     plain, _ = decode_snapshots(model, _prompts(), strategies, new)
     for drafter in (PromptLookup(max_ngram=2, num_tokens=6), Scripted(mode="random", size=5)):
@@ -110,6 +115,57 @@ def test_drafting_equals_plain_decoding_on_the_quantized_cache(model, strategies
     for row in plain:
         assert row.stats.kv_bytes_kept < row.stats.kv_bytes_full // 2
         assert all(q > 0 for q in row.upkeep.quantized.values())
+
+
+def test_bf16_drafting_is_bit_exact_with_evictions_requantizing_groups():
+    """bfloat16 verification is bit-identical to plain steps (ordered attention), so drafting
+    is exact on a GEAR cache with outliers and a low-rank term whose groups an eviction
+    decodes and quantizes again."""
+    low = make_tiny_model(seed=31).to(torch.bfloat16)
+    strategies = [_decode_budget(), GEAR(bits=2, group=8, rank=1)]
+    plain, _ = decode_snapshots(low, _prompts(), strategies, 30)
+    assert all(r.upkeep.evictions > 0 for r in plain)
+    for drafter in (PromptLookup(max_ngram=2, num_tokens=6), Scripted(mode="random", size=5)):
+        drafted, _ = decode_snapshots(low, _prompts(), strategies + [drafter], 30)
+        assert [r.generated for r in drafted] == [r.generated for r in plain]
+        assert all(r.stats.exact_verify for r in drafted)
+
+
+def test_the_cache_stores_codes_not_entries(model):
+    """After the prefill a GEAR layer's entry buffer holds only the tail; the groups live in
+    packed parts whose storage is exactly what group_bytes counts."""
+    gear = GEAR(bits=4, group=8, rank=2, outliers=0.05)
+    prompt = torch.randint(2, TINY_VOCAB, (203,), generator=torch.Generator().manual_seed(3))  # 25 groups + 3
+    batch = Batch(model)
+    with torch.inference_mode(), adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache):
+        batch.admit([Row(prompt=prompt, plan=plan_strategies([gear]), max_new_tokens=4, eos=frozenset())])
+    cache = batch.cache
+    for layer in range(2):
+        assert cache.packed_columns(layer, 0) == 200
+        assert cache._k[layer].shape[2] <= 3 + 2 * 8  # the tail and at most two groups to spare
+        parts = cache._packed[layer].parts
+        assert parts["k_codes"].dtype == torch.uint8 and parts["k_codes"].shape[-1] == 16 // 2
+        stored = sum(t.untyped_storage().nbytes() for t in parts.values())
+        assert stored == 25 * gear.group_bytes(2, 16, 4)
+    assert cache.kept_bytes(0) == 2 * (25 * gear.group_bytes(2, 16, 4) + 3 * 2 * 2 * 16 * 4)
+    # nothing else is held: the packed parts and the (short) entry buffers
+    buffers = sum(cache._k[layer].numel() * 4 * 2 for layer in range(2))
+    assert cache.storage_bytes() == 2 * 25 * gear.group_bytes(2, 16, 4) + buffers
+
+
+def test_rows_joining_and_leaving_a_packed_batch_decode_as_alone(model):
+    """A continuous batch of GEAR rows (rows of different packed lengths join, the last row
+    moves into a finished one's slot) gives each request the tokens it gets alone."""
+    gear = GEAR(bits=4, group=8, rank=1)
+    base = torch.randint(2, TINY_VOCAB, (60,), generator=torch.Generator().manual_seed(5))
+    prompts = [base[:n] for n in (44, 27, 60, 35)]
+    news = [6, 20, 12, 9]
+    alone = [accel.generate(model, p.unsqueeze(0), strategies=[gear], max_new_tokens=n, eos_token_id=[]).sequences[0,
+             p.numel():].tolist() for p, n in zip(prompts, news)]
+    with accel.Engine(model, max_batch=3, eos_token_id=[]) as engine:
+        handles = [engine.submit(p, max_new_tokens=n, strategies=[gear]) for p, n in zip(prompts, news)]
+        got = [h.result(timeout=120).tokens for h in handles]
+    assert got == alone
 
 
 def test_bad_gear_values_name_the_field(model):

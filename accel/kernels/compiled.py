@@ -144,7 +144,7 @@ class CompiledStep:
     def serves(self, model, cache) -> bool:
         """Whether this step can run the forward ``cache`` was just prepared for
         (:meth:`~accel.cache.SharedCache.prepare_step`)."""
-        return (cache._prefill is None and not cache.ragged and cache.uniform_masks
+        return (cache._prefill is None and not cache.ragged and cache.uniform_masks and not cache.packed
                 and not torch.is_grad_enabled() and not adapter.has_hooks(model))
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, cache, mask: torch.Tensor | None) -> torch.Tensor:
