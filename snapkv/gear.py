@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 import torch
 from pydantic import ConfigDict, Field, ValidationInfo, field_validator
 
+from accel.kernels import native
 from accel.strategy import KVQuantizer, register
 
 __all__ = ["GEAR", "decode_group", "encode_group", "quantize_group"]
@@ -151,10 +152,19 @@ def encode_group(x: torch.Tensor, bits: int, rank: int, outliers: int, per_chann
 def decode_group(parts: dict[str, torch.Tensor], bits: int, per_channel: bool, out: torch.Tensor) -> None:
     """Write the entries :func:`encode_group` stored as ``parts`` into ``out`` [..., G, D]
     (a view, any dtype): codes * scale + zero, plus the factors' product, outliers exact."""
+    target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
+    if not native.gear_decode(parts, bits, per_channel, target):
+        _decode_torch(parts, bits, per_channel, target)
+    if target is not out:
+        out.copy_(target)
+
+
+def _decode_torch(parts: dict[str, torch.Tensor], bits: int, per_channel: bool, target: torch.Tensor) -> None:
+    """:func:`decode_group` in torch ops, into float32 ``target`` (where the native kernel
+    is not available, :mod:`accel.kernels.native`)."""
     packed = parts["codes"]
     per, mask = 8 // bits, 2**bits - 1
     codes = torch.stack([(packed >> (bits * i)) & mask for i in range(per)], dim=-1).flatten(-2)
-    target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
     axis = -2 if per_channel else -1
     target.copy_(codes)
     target.mul_(parts["scale"].unsqueeze(axis).float()).add_(parts["zero"].unsqueeze(axis).float())
@@ -162,8 +172,6 @@ def decode_group(parts: dict[str, torch.Tensor], bits: int, per_channel: bool, o
         target.add_(parts["a"].float() @ parts["b"].float())
     if "idx" in parts:
         target.view(*target.shape[:-2], -1).scatter_(-1, parts["idx"].long(), parts["val"].float())
-    if target is not out:
-        out.copy_(target)
 
 
 def quantize_group(x: torch.Tensor, bits: int, rank: int, outliers: int, per_channel: bool) -> torch.Tensor:

@@ -177,3 +177,27 @@ def test_bad_gear_values_name_the_field(model):
         accel.generate(model, _prompts()[0].unsqueeze(0), strategies=[GEAR(rank=17)], max_new_tokens=2)
     with pytest.raises(ValueError, match="one KV quantizer"):
         accel.generate(model, _prompts()[0].unsqueeze(0), strategies=[GEAR(), GEAR(bits=2)], max_new_tokens=2)
+
+
+@pytest.mark.parametrize("bits,rank,per_channel", [(4, 2, True), (4, 2, False), (2, 1, True), (2, 0, False)])
+def test_the_native_decode_kernel_gives_the_torch_decode(monkeypatch, bits, rank, per_channel):
+    """accel.kernels.native's one-pass decode equals the torch ops' (the low-rank sum in
+    another order: within float32 rounding), written into a strided view of a buffer."""
+    from accel.kernels import native
+    from snapkv.gear import _decode_torch, encode_group
+
+    if native.gear_kernel() is None:
+        pytest.skip("no C++ compiler for the native kernel on this machine")
+    torch.manual_seed(bits + rank)
+    x = torch.randn(2, 3, 4, 16, 32) * torch.linspace(0.2, 3, 32)
+    for meta in (torch.float32, torch.bfloat16):
+        parts = encode_group(x.to(meta), bits, rank, 9, per_channel)
+        ref = torch.empty(x.shape)
+        _decode_torch(parts, bits, per_channel, ref)
+        buf = torch.full((2, 3, 4 * 16 + 5, 32), 7.0)
+        out = buf[:, :, : 4 * 16].unflatten(2, (4, 16))
+        assert native.gear_decode(parts, bits, per_channel, out)
+        assert torch.allclose(out, ref, rtol=0, atol=1e-5)
+        assert bool((buf[:, :, 4 * 16 :] == 7.0).all())  # nothing past the groups written
+        flat = out.reshape(2, 3, 4, -1)
+        assert torch.equal(flat.gather(-1, parts["idx"].long()), parts["val"].float())  # outliers exact
