@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--strategy", action="append", default=[], help="NAME:k=v, as for accel generate")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--dtype", default=None, help="as for accel.load_model (default: the model's own)")
+    ap.add_argument("--dtype", default="float32", help="as for accel.load_model (default: float32)")
     ap.add_argument("--quantize", default=None, choices=["int8", "int4"])
     args = ap.parse_args()
     model, tok = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
