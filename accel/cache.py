@@ -127,7 +127,7 @@ class _Packed:
         width = g * self.group
         parts = {name: t[rows, :, :g] for name, t in self.parts.items()}
         self.codec.decode(parts, keys[:, :, :width].unflatten(2, (g, self.group)),
-                          values[:, :, :width].unflatten(2, (g, self.group)))
+                          values[:, :, :width].unflatten(2, (g, self.group)), self.groups[rows])
 
     def nbytes(self, row: int | None = None) -> int:
         """Bytes of the parts holding one row's groups (all rows' with None)."""

@@ -323,10 +323,12 @@ class KVQuantizer(Strategy):
         them, each ``[H_kv, m, ...]`` (the cache keeps them per row and group)."""
         raise NotImplementedError
 
-    def decode(self, parts: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> None:
+    def decode(self, parts: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
+               groups: list[int] | None = None) -> None:
         """Write the groups ``parts`` (each ``[B, H_kv, g, ...]``, as :meth:`encode` made
         them) back as entries into ``keys``, ``values`` [B, H_kv, g, G, D] (views of the
-        attention buffers, of the cache's dtype)."""
+        attention buffers, of the cache's dtype). ``groups``: how many row b holds; the
+        columns of groups past them may be left as they were (they are overwritten or masked)."""
         raise NotImplementedError
 
     def quantize(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -88,9 +88,11 @@ class GEAR(KVQuantizer):
         v = encode_group(values, self.bits, self.rank, self.outlier_count(values.shape[-1]), per_channel=False)
         return {**{f"k_{n}": t for n, t in k.items()}, **{f"v_{n}": t for n, t in v.items()}}
 
-    def decode(self, parts: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor) -> None:
+    def decode(self, parts: dict[str, torch.Tensor], keys: torch.Tensor, values: torch.Tensor,
+               groups: list[int] | None = None) -> None:
         for prefix, out, per_channel in (("k_", keys, True), ("v_", values, False)):
-            decode_group({n[2:]: t for n, t in parts.items() if n.startswith(prefix)}, self.bits, per_channel, out)
+            decode_group({n[2:]: t for n, t in parts.items() if n.startswith(prefix)}, self.bits, per_channel, out,
+                         groups)
 
     def group_bytes(self, num_kv_heads: int, head_dim: int, element_size: int) -> int:
         g, d, h = self.group, head_dim, num_kv_heads
@@ -149,11 +151,14 @@ def encode_group(x: torch.Tensor, bits: int, rank: int, outliers: int, per_chann
     return parts
 
 
-def decode_group(parts: dict[str, torch.Tensor], bits: int, per_channel: bool, out: torch.Tensor) -> None:
+def decode_group(parts: dict[str, torch.Tensor], bits: int, per_channel: bool, out: torch.Tensor,
+                 groups: list[int] | None = None) -> None:
     """Write the entries :func:`encode_group` stored as ``parts`` into ``out`` [..., G, D]
-    (a view, any dtype): codes * scale + zero, plus the factors' product, outliers exact."""
+    (a view, any dtype): codes * scale + zero, plus the factors' product, outliers exact.
+    ``groups``: for out [B, H, g, G, D], the groups each row b holds; those past them may be
+    left as they were (or written from whatever parts hold there)."""
     target = out if out.dtype == torch.float32 else torch.empty(out.shape, dtype=torch.float32, device=out.device)
-    if not native.gear_decode(parts, bits, per_channel, target):
+    if not native.gear_decode(parts, bits, per_channel, target, groups):
         _decode_torch(parts, bits, per_channel, target)
     if target is not out:
         out.copy_(target)

@@ -201,3 +201,8 @@ def test_the_native_decode_kernel_gives_the_torch_decode(monkeypatch, bits, rank
         assert bool((buf[:, :, 4 * 16 :] == 7.0).all())  # nothing past the groups written
         flat = out.reshape(2, 3, 4, -1)
         assert torch.equal(flat.gather(-1, parts["idx"].long()), parts["val"].float())  # outliers exact
+        buf.fill_(7.0)
+        assert native.gear_decode(parts, bits, per_channel, out, groups=[4, 1])  # row 1 holds one group
+        assert torch.allclose(out[0], ref[0], rtol=0, atol=1e-5) and torch.allclose(out[1, :, :1], ref[1, :, :1],
+                                                                                   rtol=0, atol=1e-5)
+        assert bool((out[1, :, 1:] == 7.0).all())  # a row's groups past its count are not decoded

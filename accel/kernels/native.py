@@ -28,9 +28,10 @@ _SRC = r"""
 // uint8, scale / zero [N, S] (S = D per channel, G per token), a [N, G, r] and b [N, r, D]
 // (r may be 0), all of one 16-bit type M; idx [N, k] int16 or int32 flat positions in
 // [G, D] and val [N, k] float32. out: float32 [B, H, g, G, D], last two dims contiguous.
+// counts [B] (or empty): the groups each row holds; groups past them are not written.
 template <typename M, typename Ix, int BITS>
 static void decode(const uint8_t* C, const M* SC, const M* Z, const M* A, const M* Bf, const Ix* I, const float* V,
-                   int64_t r, int64_t k, int64_t S, bool per_channel, torch::Tensor out) {
+                   int64_t r, int64_t k, int64_t S, bool per_channel, torch::Tensor out, const int64_t* counts) {
   const int64_t H = out.size(1), g = out.size(2), G = out.size(3), D = out.size(4);
   const int64_t sb = out.stride(0), sh = out.stride(1), sg = out.stride(2);
   constexpr int per = 8 / BITS, mask = (1 << BITS) - 1;
@@ -39,6 +40,7 @@ static void decode(const uint8_t* C, const M* SC, const M* Z, const M* A, const 
   at::parallel_for(0, out.size(0) * H * g, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s(D), z(D), bq(r * D);
     for (int64_t n = begin; n < end; ++n) {
+      if (counts && n % g >= counts[n / (H * g)]) continue;  // past the row's groups: left as it was
       float* o = O + (n / (H * g)) * sb + ((n / g) % H) * sh + (n % g) * sg;
       const uint8_t* c = C + n * G * dp;
       for (int64_t d = 0; d < r * D; ++d) bq[d] = (float)Bf[n * r * D + d];
@@ -70,7 +72,7 @@ static void decode(const uint8_t* C, const M* SC, const M* Z, const M* A, const 
 template <typename M, typename Ix>
 static void dispatch_bits(torch::Tensor codes, torch::Tensor scale, torch::Tensor zero, torch::Tensor a,
                           torch::Tensor b, torch::Tensor idx, torch::Tensor val, int64_t bits, bool per_channel,
-                          torch::Tensor out) {
+                          torch::Tensor out, const int64_t* counts) {
   const int64_t r = a.numel() ? a.size(2) : 0, k = idx.numel() ? idx.size(1) : 0;
   const M* A = r ? (const M*)a.data_ptr() : nullptr;
   const M* Bf = r ? (const M*)b.data_ptr() : nullptr;
@@ -78,11 +80,12 @@ static void dispatch_bits(torch::Tensor codes, torch::Tensor scale, torch::Tenso
   const float* V = k ? val.data_ptr<float>() : nullptr;
   auto f = bits == 4 ? decode<M, Ix, 4> : decode<M, Ix, 2>;
   f(codes.data_ptr<uint8_t>(), (const M*)scale.data_ptr(), (const M*)zero.data_ptr(), A, Bf, I, V, r, k,
-    scale.size(1), per_channel, out);
+    scale.size(1), per_channel, out, counts);
 }
 
 void gear_decode(torch::Tensor codes, torch::Tensor scale, torch::Tensor zero, torch::Tensor a, torch::Tensor b,
-                 torch::Tensor idx, torch::Tensor val, int64_t bits, bool per_channel, torch::Tensor out) {
+                 torch::Tensor idx, torch::Tensor val, int64_t bits, bool per_channel, torch::Tensor out,
+                 torch::Tensor counts) {
   // the parts come as [B, H, g, ...]: flat over (row, head, group), contiguous
   const int64_t n = out.size(0) * out.size(1) * out.size(2), G = out.size(3), D = out.size(4);
   codes = codes.reshape({n, G, -1}).contiguous();
@@ -90,13 +93,15 @@ void gear_decode(torch::Tensor codes, torch::Tensor scale, torch::Tensor zero, t
   zero = zero.reshape({n, -1}).contiguous();
   if (a.numel()) { a = a.reshape({n, G, -1}).contiguous(); b = b.reshape({n, -1, D}).contiguous(); }
   if (idx.numel()) { idx = idx.reshape({n, -1}).contiguous(); val = val.reshape({n, -1}).to(torch::kFloat).contiguous(); }
+  counts = counts.to(torch::kLong).contiguous();
+  const int64_t* cnt = counts.numel() ? counts.data_ptr<int64_t>() : nullptr;
   const bool wide = idx.scalar_type() == torch::kInt32;
   if (scale.scalar_type() == torch::kBFloat16) {
-    if (wide) dispatch_bits<at::BFloat16, int32_t>(codes, scale, zero, a, b, idx, val, bits, per_channel, out);
-    else dispatch_bits<at::BFloat16, int16_t>(codes, scale, zero, a, b, idx, val, bits, per_channel, out);
+    if (wide) dispatch_bits<at::BFloat16, int32_t>(codes, scale, zero, a, b, idx, val, bits, per_channel, out, cnt);
+    else dispatch_bits<at::BFloat16, int16_t>(codes, scale, zero, a, b, idx, val, bits, per_channel, out, cnt);
   } else {
-    if (wide) dispatch_bits<at::Half, int32_t>(codes, scale, zero, a, b, idx, val, bits, per_channel, out);
-    else dispatch_bits<at::Half, int16_t>(codes, scale, zero, a, b, idx, val, bits, per_channel, out);
+    if (wide) dispatch_bits<at::Half, int32_t>(codes, scale, zero, a, b, idx, val, bits, per_channel, out, cnt);
+    else dispatch_bits<at::Half, int16_t>(codes, scale, zero, a, b, idx, val, bits, per_channel, out, cnt);
   }
 }
 """
@@ -137,10 +142,12 @@ def gear_kernel():
     return _module
 
 
-def gear_decode(parts: dict[str, torch.Tensor], bits: int, per_channel: bool, out: torch.Tensor) -> bool:
+def gear_decode(parts: dict[str, torch.Tensor], bits: int, per_channel: bool, out: torch.Tensor,
+                groups: list[int] | None = None) -> bool:
     """Decode GEAR groups ``parts`` (codes [B, H, g, G, D*bits/8], scale, zero, a, b, idx,
     val as :func:`snapkv.gear.encode_group` makes them) into ``out`` [B, H, g, G, D] float32
-    on the CPU. Returns False (nothing written) where the kernel cannot serve it."""
+    on the CPU; with ``groups`` (per row of out) only each row's first ``groups[b]`` groups.
+    Returns False (nothing written) where the kernel cannot serve it."""
     if out.dim() != 5 or out.dtype != torch.float32 or out.device.type != "cpu" or out.stride(-1) != 1 \
             or out.stride(-2) != out.shape[-1]:
         return False
@@ -154,7 +161,8 @@ def gear_decode(parts: dict[str, torch.Tensor], bits: int, per_channel: bool, ou
     if none is None:
         none = _EMPTY[meta] = (torch.empty(0, dtype=meta), torch.empty(0, dtype=torch.int16), torch.empty(0))
     mod.gear_decode(parts["codes"], parts["scale"], parts["zero"], parts.get("a", none[0]), parts.get("b", none[0]),
-                    parts.get("idx", none[1]), parts.get("val", none[2]), bits, per_channel, out)
+                    parts.get("idx", none[1]), parts.get("val", none[2]), bits, per_channel, out,
+                    torch.tensor(groups if groups is not None else [], dtype=torch.int64))
     return True
 
 
