@@ -265,12 +265,16 @@ class SharedCache(TransformersCache):
     @property
     def packed(self) -> bool:
         """Whether some layer holds quantized groups (:meth:`pack`)."""
-        return any(p is not None and any(p.groups) for p in self._packed)
+        return any(self._holds_groups(layer) for layer in range(self.num_layers))
 
     def packed_columns(self, layer_idx: int, row: int) -> int:
         """Row ``row``'s oldest entries of one layer held as quantized groups (0: none)."""
         p = self._packed[layer_idx]
         return p.columns(row) if p is not None else 0
+
+    def _holds_groups(self, layer: int) -> bool:
+        p = self._packed[layer]
+        return p is not None and any(p.groups)
 
     def _shifts(self, layer: int) -> list[int]:
         """Per row, the column where the layer's entry buffer starts (its packed columns)."""
@@ -278,7 +282,8 @@ class SharedCache(TransformersCache):
         return [p.columns(r) for r in range(len(self._len[layer]))] if p is not None else [0] * len(self._len[layer])
 
     def _low(self, layer: int) -> int:
-        return min(self._shifts(layer), default=0)
+        """The fewest packed columns of any row (0 on a layer without groups: no list built)."""
+        return min(self._shifts(layer), default=0) if self._packed[layer] is not None else 0
 
     def _dense_used(self, layer: int) -> int:
         """Columns of the layer's entry buffer in use (the longest row's, this step's included)."""
@@ -366,11 +371,11 @@ class SharedCache(TransformersCache):
         bsz, t = keys.shape[0], keys.shape[2]
         base, span = self.claim(layer_idx, bsz, t, keys)
         k, v = self._k[layer_idx], self._v[layer_idx]
-        shifts = self._shifts(layer_idx)
-        if not any(shifts[:bsz]):
+        if not self._holds_groups(layer_idx):
             k[:bsz, :, base : base + t] = keys
             v[:bsz, :, base : base + t] = values
             return k[:bsz, :, :span], v[:bsz, :, :span]
+        shifts = self._shifts(layer_idx)
         if len(set(shifts)) == 1:
             s = shifts[0]
             k[:bsz, :, base - s : base - s + t] = keys
@@ -429,7 +434,7 @@ class SharedCache(TransformersCache):
     def storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's whole key and value buffers, [Bcap, H_kv, capacity, D] each (not for
         a layer holding packed groups: its entries are not all in them)."""
-        if self._packed[layer_idx] is not None and any(self._packed[layer_idx].groups):
+        if self._holds_groups(layer_idx):
             raise RuntimeError(f"storage() of layer {layer_idx}, which holds quantized groups")
         return self._k[layer_idx], self._v[layer_idx]
 
@@ -772,7 +777,7 @@ class SharedCache(TransformersCache):
         fewer than K entries), masked out of attention."""
         if self._pending[layer_idx]:
             raise RuntimeError("select() on a layer with uncommitted entries; commit() first")
-        if self._packed[layer_idx] is not None and any(self._packed[layer_idx].groups):
+        if self._holds_groups(layer_idx):
             raise RuntimeError(f"select() on layer {layer_idx}, which holds quantized groups")
         bsz = self.batch_size
         k, v = _gather(self._k[layer_idx][:bsz], self._v[layer_idx][:bsz], indices)

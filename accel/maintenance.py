@@ -71,7 +71,6 @@ class Upkeep:
     positions: dict[int, torch.Tensor] = field(default_factory=dict)
     since: int = 0
     quantize_at: int | None = None  # logical length at which a group fills next
-    quantized: dict[int, int] = field(default_factory=dict)  # layer -> columns [0, q) are packed groups
     evictions: int = 0  # times the row was evicted (all layers at once)
 
     @property
@@ -136,7 +135,7 @@ class Upkeep:
             self.evict_at = length + max(1, self.budget + self.slack - self._held(cache, row))
         if self.quantizer is not None:
             group = self.quantizer.group_size()
-            loose = max(cache.row_lengths(layer)[row] - self.quantized[layer] for layer in self.layers)
+            loose = max(cache.row_lengths(layer)[row] - cache.packed_columns(layer, row) for layer in self.layers)
             self.quantize_at = length + max(1, group - loose)
 
     def _due(self, cache: SharedCache, row: int, length: int) -> bool:
@@ -172,8 +171,6 @@ class Upkeep:
                 continue
             self.positions[layer] = positions.gather(1, sel.indices[0])
             cache.evict_row(layer, row, sel.indices, sel.valid)
-            if self.quantizer is not None:
-                self.quantized[layer] = cache.packed_columns(layer, row)
         self.since = length
         if self.budget is None:
             self.evict_at = length + self.slack
@@ -186,7 +183,6 @@ class Upkeep:
             groups = (n - q) // group
             if groups > 0:
                 cache.pack(layer, row, groups, self.quantizer)
-            self.quantized[layer] = cache.packed_columns(layer, row)
 
 
 def prompt_queries(queries: dict[int, torch.Tensor], b: int, prompt_len: int, window: int) -> dict[int, torch.Tensor]:
@@ -246,8 +242,6 @@ def start(compressor: PromptCompressor | None, quantizer: KVQuantizer | None, ca
             m = min(got.shape[1] for got in (queries[layer] for layer in layers)) if layers else 0
             for p in range(length - m, length):
                 up.slots[p % up.window] = p
-    if quantizer is not None:
-        up.quantized = {layer: cache.packed_columns(layer, row) for layer in layers}
     up.run(cache, row, tokens)
     return up
 

@@ -9,9 +9,9 @@ its own. Per prompt it reports:
 
 - ``stored``: bytes of every tensor the cache held when the request finished
   (``Stats.kv_bytes_stored``: the sum of their storages, spare room and scratch included);
-- ``decode RSS``: the process's peak resident set while decoding (sampled every 5 ms from
-  /proc/self/statm between the first token and the end), and its growth over the resident
-  set before the request;
+- ``decode RSS``: the process's peak resident set while decoding (``accel.bench.measurement.
+  PeakMemory`` from the first token to the end: the kernel's high-water mark, reset at the
+  first token), and its growth over the resident set before the request;
 - decode tok/s (the engine's decode seconds), prefill seconds;
 - the first token where the greedy output leaves the full cache's (48: agrees throughout).
 
@@ -29,7 +29,6 @@ import random
 import resource
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 CONFIGS = {
@@ -43,26 +42,6 @@ CONFIGS = {
 def _rss() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * resource.getpagesize()
-
-
-class _Sampler:
-    """Peak resident set between mark() and stop(), sampled every 5 ms."""
-
-    def __init__(self) -> None:
-        self.peak = 0
-        self.armed = False
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.005):
-            if self.armed:
-                self.peak = max(self.peak, _rss())
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def prompts(tokenizer, tokens: int, count: int) -> list:
@@ -94,38 +73,31 @@ def child(name: str, tokens: int, count: int, new: int) -> None:
     import torch
 
     import accel
+    from accel.bench.measurement import PeakMemory
     from accel.models import load_default
 
     torch.set_num_threads(int(os.environ.get("ACCEL_THREADS", torch.get_num_threads())))
     model, tokenizer = load_default()
     items = prompts(tokenizer, tokens, count)
-    sampler = _Sampler()
     rows = []
     for ids in items:
         before = _rss()
-        sampler.peak = 0
+        peak = PeakMemory()
         with accel.Engine(model, max_batch=1, eos_token_id=[]) as engine:
             handle = engine.submit(ids[0], max_new_tokens=new, strategies=CONFIGS[name])
+            started = False
             for _ in handle.stream():  # the first delta comes with the first token: decoding starts
-                if not sampler.armed:
-                    sampler.peak = _rss()
-                    sampler.armed = True
+                if not started:
+                    peak.__enter__()
+                    started = True
             result = handle.result()
-        sampler.armed = False
+        peak.__exit__(None, None, None)
         s = result.stats
         rows.append({"prompt_tokens": int(ids.shape[1]), "tokens": list(result.tokens),
                      "stored": s.kv_bytes_stored, "kept": s.kv_bytes_kept, "full": s.kv_bytes_full,
-                     "decode_rss": sampler.peak, "rss_before": before, "prefill_s": s.prefill_s,
+                     "decode_rss": int(peak.peak_mib * 2**20), "rss_before": before, "prefill_s": s.prefill_s,
                      "decode_tok_s": s.decode_tokens_per_s})
-    sampler.stop()
     print(json.dumps({"config": name, "threads": torch.get_num_threads(), "rows": rows}))
-
-
-def _cpu() -> str:
-    for line in open("/proc/cpuinfo"):
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def main() -> None:
@@ -140,6 +112,8 @@ def main() -> None:
     if args.child:
         child(args.child, args.tokens, args.prompts, args.new)
         return
+    from accel.bench.measurement import cpu_model
+
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     results = {}
     for name in args.configs:
@@ -151,7 +125,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     mib = 2**20
-    print(f"{_cpu()}, {results[args.configs[0]]['threads']} threads, float32, prompts of ~{args.tokens} tokens, "
+    print(f"{cpu_model()}, {results[args.configs[0]]['threads']} threads, float32, prompts of ~{args.tokens} tokens, "
           f"{args.new} new tokens")
     full = results.get("full")
     head = f"{'config':18} {'stored MiB':>10} {'of full':>8} {'decode RSS MiB':>14} {'RSS growth':>10} " \

@@ -419,7 +419,7 @@ def _room(cache, row: int, up) -> int:
     elif up.compressor is not None:
         room = up.budget + up.slack - max(cache.entries_per_head(layer, row) for layer in up.layers)
     if up.quantizer is not None:
-        loose = max(cache.row_lengths(layer)[row] - up.quantized[layer] for layer in up.layers)
+        loose = max(cache.row_lengths(layer)[row] - cache.packed_columns(layer, row) for layer in up.layers)
         room = min(room, up.quantizer.group_size() - loose)
     return room
 

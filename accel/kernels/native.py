@@ -124,9 +124,11 @@ def gear_kernel():
         try:
             from torch.utils.cpp_extension import load_inline
 
+            from ..calibration.calibrate import _machine
             from ..files import cache_dir
 
-            digest = hashlib.sha256((_SRC + torch.__version__).encode()).hexdigest()[:12]
+            # -march=native: a build is this CPU's (a cache folder shared with another CPU builds its own)
+            digest = hashlib.sha256((_SRC + repr(sorted(_machine().items()))).encode()).hexdigest()[:12]
             folder = cache_dir() / "kernels" / f"gear-{digest}"
             folder.mkdir(parents=True, exist_ok=True)
             if not (folder / "accel_gear.so").exists():
