@@ -9,6 +9,7 @@ from .cache import SharedCache
 from .kernels.cpu import prepack
 from .engine import Stats
 from .models import load_default, load_model
+from .runahead import PrefillRanks
 from .serving.service import Delta, Engine, RequestHandle, RequestResult
 from .strategy import (
     REGISTRY,
@@ -36,6 +37,7 @@ __all__ = [
     "load_model",
     "load_default",
     "prepack",
+    "PrefillRanks",
     "Strategy",
     "PromptCompressor",
     "Drafter",

@@ -721,10 +721,8 @@ def capture_layer_states(model: PreTrainedModel, cache: Cache, layers: tuple[int
         yield
         return
     decoder = model.get_decoder()
-    blocks = getattr(decoder, "layers", None)
-    count = model.config.get_text_config(decoder=True).num_hidden_layers
-    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) < count:
-        raise ValueError(f"{type(model).__name__}: found no decoder layer list; accel cannot read its hidden states")
+    blocks = decoder_blocks(model, "accel cannot read its hidden states")
+    count = len(blocks)
     bad = [k for k in layers if not -1 <= k < count]
     if bad:
         raise ValueError(f"{type(model).__name__} has {count} decoder layers; it has no hidden states of layer(s) {bad}")
@@ -744,6 +742,46 @@ def capture_layer_states(model: PreTrainedModel, cache: Cache, layers: tuple[int
     handles = [blocks[k].register_forward_pre_hook(before(k), with_kwargs=True) for k in layers if k >= 0]
     if -1 in layers:
         handles.append(decoder.register_forward_hook(after, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def decoder_blocks(model: PreTrainedModel, why: str = "accel needs its layers") -> list[torch.nn.Module]:
+    """The decoder layers of ``model``, in order; a ValueError naming the model (and ``why``
+    it needs them) where it has no layer list."""
+    blocks = getattr(model.get_decoder(), "layers", None)
+    count = model.config.get_text_config(decoder=True).num_hidden_layers
+    if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) < count:
+        raise ValueError(f"{type(model).__name__}: found no decoder layer list; {why}")
+    return list(blocks)[:count]
+
+
+@contextmanager
+def around_layers(model: PreTrainedModel, cache: Cache, before: Callable[[int], None] | None,
+                  after: Callable[[int], None] | None) -> Iterator[None]:
+    """While active, a forward that carries ``cache`` calls ``before(k)`` as decoder layer k
+    starts and ``after(k)`` once it has run (its entries then stand in ``cache``): what the
+    prefill over several processes (:mod:`accel.runahead`) fills and hands on each layer's
+    entries with. Raises a ValueError naming the model on entry when it has no decoder layer
+    list. Removed on exit."""
+    blocks = decoder_blocks(model, "accel cannot run its layers one by one")
+    handles = []
+    for k, block in enumerate(blocks):
+        if before is not None:
+            def pre(module, args, kwargs, k=k):
+                if _cache_argument(kwargs) is cache:
+                    before(k)
+                return None
+            handles.append(block.register_forward_pre_hook(pre, with_kwargs=True))
+        if after is not None:
+            def post(module, args, kwargs, output, k=k):
+                if _cache_argument(kwargs) is cache:
+                    after(k)
+                return None
+            handles.append(block.register_forward_hook(post, with_kwargs=True))
     try:
         yield
     finally:

@@ -9,6 +9,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from . import adapter
+from .runahead import PrefillRanks, check_prefill_ranks, shared_ranks
 from .engine import DEFAULT_MAX_DRAFT, Plan, Row, Stats, batch_steps, plan_strategies, run_batch
 from .strategy import Strategy, build_strategies
 from .text import TextStream
@@ -152,17 +153,26 @@ def make_rows(model: Any, rows: list[torch.Tensor], plan: Plan, *, max_new_token
 
 
 def _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id, tokenizer, seed,
-             attention_mask, prefill_chunk):
+             attention_mask, prefill_chunk, prefill_ranks):
     adapter.check_causal_lm(model)
     check_sampling(max_new_tokens, temperature, top_k, top_p)
     check_prefill_chunk(prefill_chunk)
+    check_prefill_ranks(prefill_ranks)
+    if prefill_ranks is not None and prefill_chunk is not None:
+        raise ValueError("prefill_chunk and prefill_ranks: a prefill is either chunked here or run over ranks; "
+                         "give one of them")
+    if isinstance(prefill_ranks, PrefillRanks) and prefill_ranks.model is not model:
+        raise ValueError("prefill_ranks: a PrefillRanks runs the model it was started with, not this one")
     plan = plan_strategies(build_strategies(strategies))
     plan.check(model)
     rows = _as_rows(inputs, tokenizer, attention_mask)
     eos = adapter.default_eos(model, tokenizer) if eos_token_id is None else (
         [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id))
-    return make_rows(model, rows, plan, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                     top_p=top_p, eos=eos, seed=seed), eos
+    rows = make_rows(model, rows, plan, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                     top_p=top_p, eos=eos, seed=seed)
+    ranks = shared_ranks(model, prefill_ranks) if isinstance(prefill_ranks, int) and prefill_ranks > 1 else (
+        prefill_ranks if isinstance(prefill_ranks, PrefillRanks) else None)
+    return rows, eos, ranks
 
 
 @torch.inference_mode()
@@ -180,6 +190,7 @@ def generate(
     attention_mask: torch.Tensor | None = None,
     max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
     prefill_chunk: int | None = None,
+    prefill_ranks: int | PrefillRanks | None = None,
 ) -> GenerateResult:
     """Generate with prompt compression and/or speculative decoding on one shared cache.
 
@@ -203,14 +214,21 @@ def generate(
             Activation memory then follows the chunk, not the prompt; the cache, the
             compressors' selection and the output are those of one forward (within float
             tolerance; see docs/LONG_CONTEXT.md).
+        prefill_ranks: run each prompt's prefill over this many processes (KV-Runahead,
+            :mod:`accel.runahead`; None or 1: this one alone), each on an equal share of
+            torch's threads; the helper processes start on first use (a few seconds) and
+            are kept for later calls with the same model. Or a
+            :class:`~accel.runahead.PrefillRanks` of your own. The cache, the compressors'
+            selection and the output are those of a prefill in one process (within float
+            tolerance; see docs/LONG_CONTEXT.md).
 
     All rows are decoded together, one verify forward per step for the whole batch (each
     row with its own cache entries, positions and draft tree), and every row's output is
     what it would be alone. ``result.row_stats`` has each row's own figures.
     """
-    rows, eos = _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                         tokenizer, seed, attention_mask, prefill_chunk)
-    stats = run_batch(model, rows, max_draft=max_draft_tokens, prefill_chunk=prefill_chunk)
+    rows, eos, ranks = _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                                tokenizer, seed, attention_mask, prefill_chunk, prefill_ranks)
+    stats = run_batch(model, rows, max_draft=max_draft_tokens, prefill_chunk=prefill_chunk, prefill_ranks=ranks)
     outputs = [(r.prompt, r.prompt.new_tensor(r.generated)) for r in rows]
     sequences = _pad(outputs, pad_id(model, tokenizer, eos))
     text = None
@@ -233,6 +251,7 @@ def stream(
     attention_mask: torch.Tensor | None = None,
     max_draft_tokens: int | None = DEFAULT_MAX_DRAFT,
     prefill_chunk: int | None = None,
+    prefill_ranks: int | PrefillRanks | None = None,
 ) -> Iterator[StreamDelta]:
     """:func:`generate`, yielding each row's newly accepted tokens as they are accepted.
 
@@ -240,11 +259,12 @@ def stream(
     given, and whether the row finished). The arguments are those of :func:`generate`; the
     work runs in the calling thread, between the yields.
     """
-    rows, _ = _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id,
-                       tokenizer, seed, attention_mask, prefill_chunk)
+    rows, _, ranks = _prepare(model, inputs, strategies, max_new_tokens, temperature, top_k, top_p, eos_token_id,
+                              tokenizer, seed, attention_mask, prefill_chunk, prefill_ranks)
     index = {id(r): i for i, r in enumerate(rows)}
     texts = [TextStream(tokenizer) if tokenizer is not None else None for _ in rows]
-    for pairs in batch_steps(model, rows, max_draft=max_draft_tokens, prefill_chunk=prefill_chunk):
+    for pairs in batch_steps(model, rows, max_draft=max_draft_tokens, prefill_chunk=prefill_chunk,
+                             prefill_ranks=ranks):
         for row, new in pairs:
             i = index[id(row)]
             if new or row.done:

@@ -19,7 +19,10 @@ def _generate(args: argparse.Namespace) -> int:
     import accel
     from accel.models import chat_ids, load_model
 
+    from accel.runahead import check_prefill_ranks
+
     strategies = accel.build_strategies(args.strategy)  # validate before loading the model
+    check_prefill_ranks(args.prefill_ranks)
     model, tokenizer = load_model(args.model, dtype=args.dtype, quantize=args.quantize, compile=args.compile)
     if args.raw:
         ids = tokenizer(args.prompt, return_tensors="pt").input_ids
@@ -35,6 +38,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         tokenizer=tokenizer,
         seed=args.seed,
+        prefill_ranks=args.prefill_ranks,
     )
     print(result.text[0].strip())
     names = ", ".join(s.name for s in strategies) or "plain decoding"
@@ -161,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and KV cache dtype (greedy drafting stays exact in each; see accel.kernels.invariance)")
     g.add_argument("--quantize", type=quantize_arg, default=None, help=_QUANTIZE_HELP)
     g.add_argument("--compile", choices=("auto", "on", "off"), default="off", help=_COMPILE_HELP)
+    g.add_argument("--prefill-ranks", type=int, default=None, metavar="N",
+                   help="run the prompt's prefill over N processes, each on its share of the threads (KV-Runahead)")
     g.set_defaults(func=_generate)
 
     b = sub.add_parser("bench", help="run a YAML-configured speed-up experiment")

@@ -32,6 +32,7 @@ from .cache import SharedCache
 from .drafting import draft_rows, drafter_feedback, start_rows
 from .serving.prefix import PrefixStore, common_prefix, shared_prefix
 from .calibration.cost_model import CostTable, DraftCost, DraftGuard, acceptance_gains, allocate_drafts, sharing_pays
+from .runahead import PrefillRanks
 from .steps import (PrefillSteps, Warp, accept, chain_anchors, commit, exhaust, lookahead_columns, prefill_rest_steps,
                     prefill_steps, verify_logits)
 from .strategy import DraftContext, Drafter, Lookahead, Plan, plan_strategies
@@ -363,13 +364,16 @@ class Batch:
         :mod:`accel.serving.prefix`; the Engine keeps one); None: every prompt is prefilled whole.
     prefill_chunk: prompt tokens per prefill forward (None: one forward per admission), see
         :func:`accel.steps.prefill`.
+    prefill_ranks: the processes each whole prompt's prefill runs over (KV-Runahead,
+        :class:`accel.runahead.PrefillRanks`); None: this process alone.
     """
 
     def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0,
                  costs: CostTable | None = None, prefixes: PrefixStore | None = None,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, prefill_ranks: PrefillRanks | None = None):
         self.model = model
         self.prefill_chunk = prefill_chunk
+        self.prefill_ranks = prefill_ranks
         self.prefixes = prefixes
         self.costs = costs
         self.geo = adapter.geometry(model)
@@ -443,10 +447,14 @@ class Batch:
             layers = self._feature_layers(whole)
             if any(r.prompt_logprobs is not None for r in whole) and -1 not in layers:
                 layers = (*layers, -1)  # the normed hidden state of every prompt position
+            if layers and self.prefill_ranks is not None:
+                raise ValueError("prefill_ranks: the prefill over several ranks keeps only the last chunk's hidden "
+                                 f"states here; drafters reading prompt features (layers {layers}) and prompt "
+                                 "logprobs need a prefill in one process")
             with adapter.capture_layer_states(self.model, fresh, layers, states):
                 hidden = yield from prefill_steps(self.model, fresh, [r.prompt for r in whole],
                                                   [r.plan.compressor for r in whole], captured, selected,
-                                                  chunk=self.prefill_chunk)
+                                                  chunk=self.prefill_chunk, ranks=self.prefill_ranks)
             _hand_features(whole, states, [(b, torch.arange(int(r.prompt.numel()))) for b, r in enumerate(whole)])
             for b, r in enumerate(whole):
                 if r.prompt_logprobs is not None:
@@ -766,11 +774,12 @@ def _hand_features(rows: Sequence[Row], states: dict[int, torch.Tensor], where: 
 
 
 def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT,
-                prefill_chunk: int | None = None) -> Iterator[list[tuple[Row, list[int]]]]:
+                prefill_chunk: int | None = None,
+                prefill_ranks: PrefillRanks | None = None) -> Iterator[list[tuple[Row, list[int]]]]:
     """Decode ``rows`` together until every one is done, yielding after the prefill and after
     every step the (row, newly emitted tokens) pairs of the rows that took part (the first
     yield has every row: one with ``max_new_tokens=0`` is done there, with no tokens)."""
-    batch = Batch(model, max_draft=max_draft, prefill_chunk=prefill_chunk)
+    batch = Batch(model, max_draft=max_draft, prefill_chunk=prefill_chunk, prefill_ranks=prefill_ranks)
     live = [r for r in rows if r.max_new_tokens > 0]
     for r in rows:
         if r.max_new_tokens <= 0:
@@ -794,12 +803,12 @@ def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAF
 
 
 def run_batch(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAFT,
-              prefill_chunk: int | None = None) -> Stats:
+              prefill_chunk: int | None = None, prefill_ranks: PrefillRanks | None = None) -> Stats:
     """Decode ``rows`` together until every one is done. Returns the call's aggregate Stats
     (wall-clock prefill and decode seconds, counts summed over rows)."""
     total = Stats()
     t0 = time.perf_counter()
-    steps = batch_steps(model, rows, max_draft, prefill_chunk)
+    steps = batch_steps(model, rows, max_draft, prefill_chunk, prefill_ranks)
     next(steps)
     total.prefill_s = time.perf_counter() - t0
     t1 = time.perf_counter()

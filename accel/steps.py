@@ -7,7 +7,7 @@ batch of requests; :mod:`accel.kernels.invariance` runs them to probe this machi
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Generator, Sequence
+from typing import Callable, Generator, Protocol, Sequence
 
 import torch
 
@@ -34,6 +34,16 @@ def exhaust(steps: PrefillSteps) -> torch.Tensor:
         except StopIteration as stop:
             return stop.value
 
+class RankedPrefill(Protocol):
+    """Processes a prefill runs over (:class:`accel.runahead.PrefillRanks`)."""
+
+    def prefill(self, cache: SharedCache, rows: Sequence[torch.Tensor], window: int,
+                queries: dict[int, torch.Tensor]) -> torch.Tensor:
+        """Fill the empty ``cache`` with ``rows``' prompts (uncompressed), ``queries`` with each
+        layer's last ``window`` prompt queries [B, H_q, window, D]; returns [B, H]."""
+        ...
+
+
 #: A sampling transform of float32 logits [N, V] (temperature, top-k, top-p); None is greedy.
 Warp = Callable[[torch.Tensor], torch.Tensor]
 
@@ -41,15 +51,17 @@ Warp = Callable[[torch.Tensor], torch.Tensor]
 def prefill(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
             compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
             queries: dict[int, torch.Tensor] | None = None,
-            kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None) -> torch.Tensor:
+            kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None,
+            ranks: RankedPrefill | None = None) -> torch.Tensor:
     """:func:`prefill_steps` run to its end (see there)."""
-    return exhaust(prefill_steps(model, cache, prompts, compressors, queries, kept, chunk))
+    return exhaust(prefill_steps(model, cache, prompts, compressors, queries, kept, chunk, ranks))
 
 
 def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[torch.Tensor],
                   compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
                   queries: dict[int, torch.Tensor] | None = None,
-                  kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None) -> PrefillSteps:
+                  kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None,
+                  ranks: RankedPrefill | None = None) -> PrefillSteps:
     """Run B prompts through the model, filling (and compressing) an empty cache.
 
     prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
@@ -67,6 +79,10 @@ def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[to
         chunks they fall in, and once the last chunk is in, every layer is offered to its
         compressor with those queries and the whole prompt's keys: the same scores, the same
         selection, the same cache as one forward (within float tolerance).
+    ranks: run each row's prompt over these processes instead (KV-Runahead,
+        :mod:`accel.runahead`: chunk r on rank r, on top of the entries rank r - 1 hands on
+        layer by layer, the last chunk here); compressors then select as after a chunked
+        prefill, on the whole prompt's entries. ``chunk`` does not apply.
     A generator: it yields after each chunk but the last (so that a caller may run other
     forwards in between, :class:`accel.serving.Engine`), and returns the final hidden state at
     each row's last prompt position, [B, H] (:func:`prefill` runs it through).
@@ -95,6 +111,11 @@ def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[to
         return sel.indices, sel.valid
 
     compress = select if any(c is not None for c in compressors) else None
+    if ranks is not None:
+        hidden = ranks.prefill(cache, rows, window, queries)
+        if compress is not None:
+            cache.compress_prompt(compress)
+        return hidden
     if chunk is not None and chunk < n:
         hidden = yield from _prefill_chunks(model, cache, rows, chunk, window, queries)
         if compress is not None:
