@@ -26,7 +26,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import math
 import os
 import queue
 import sys
@@ -43,7 +42,7 @@ from . import adapter
 from .cache import SharedCache
 from .steps import forward_tokens
 
-__all__ = ["SPLITS", "PrefillRanks", "RankReport", "partition", "check_prefill_ranks", "shared_ranks"]
+__all__ = ["SPLITS", "PrefillRanks", "RankReport", "chunk_cost", "partition", "check_prefill_ranks", "shared_ranks"]
 
 SPLITS = ("balanced", "even")
 
@@ -88,12 +87,23 @@ def _layer_costs(model) -> tuple[float, float]:
     return float(linear), float(4 * q)
 
 
+def chunk_cost(costs: tuple[float, float], start: int, end: int) -> float:
+    """The work of running tokens [start, end) on top of the first ``start``, by the attention
+    cost model: each token's linear layers (``a``) and, per key its query is scored against,
+    ``b``. The first chunk runs causal attention, whose kernel skips the keys a query does not
+    see (token i: i + 1 keys); a later chunk's runs through a mask (its own chunk causal, the
+    prefix whole), and the kernel computes every query against all ``end`` keys."""
+    a, b = costs
+    m = end - start
+    return a * m + (b * m * (m + 1) / 2 if not start else b * m * end)
+
+
 def partition(n: int, ranks: int, costs: tuple[float, float], split: str = "balanced", last_min: int = 1) -> list[int]:
     """Chunk boundaries of an ``n``-token prompt over ``ranks`` ranks: ``bounds`` of length
     ranks + 1, rank r running tokens ``bounds[r]:bounds[r + 1]``.
 
-    costs: (a, b) of the attention cost model, token i costing ``a + b * (i + 1)``.
-    split: ``"balanced"``: every rank's tokens cost the same (within a token);
+    costs: (a, b) of the attention cost model (:func:`chunk_cost`).
+    split: ``"balanced"``: every rank's chunk costs the same (within a token);
         ``"even"``: every rank gets n / ranks tokens.
     last_min: the last rank's chunk holds at least this many tokens (the observation window
         a compressor scores with is taken there).
@@ -105,17 +115,28 @@ def partition(n: int, ranks: int, costs: tuple[float, float], split: str = "bala
         raise ValueError(f"partition() of {n} tokens over {ranks} ranks")
     last_min = min(max(1, last_min), n)
     active = max(1, min(ranks, n - last_min + 1))
-    a, b = costs
-    total = a * n + b * n * (n + 1) / 2
-    ends = []
-    for r in range(1, active):
-        if split == "even":
-            e = round(r * n / active)
-        else:  # solve a e + b e (e + 1) / 2 = r / active * total for e
-            c = a + b / 2
-            target = r / active * total
-            e = round((-c + math.sqrt(c * c + 2 * b * target)) / b) if b else round(target / a)
-        ends.append(e)
+
+    def cut(budget: float) -> list[int]:  # each chunk but the last as long as ``budget`` allows
+        ends, start = [], 0
+        for _ in range(active - 1):
+            lo, hi = start, n  # the longest chunk from start costing at most budget
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if chunk_cost(costs, start, mid) <= budget else (lo, mid - 1)
+            ends.append(lo)
+            start = lo
+        return ends
+
+    if split == "even":
+        ends = [round(r * n / active) for r in range(1, active)]
+    else:  # the least budget per chunk that leaves the last chunk within it
+        lo, hi = 0.0, chunk_cost(costs, 0, n)
+        for _ in range(100):
+            mid = (lo + hi) / 2
+            ends = cut(mid)
+            last = ends[-1] if ends else 0
+            lo, hi = (lo, mid) if chunk_cost(costs, last, n) <= mid else (mid, hi)
+        ends = cut(hi)
     bounds = [0]
     for r, e in enumerate(ends):  # each chunk at least one token, the last at least last_min
         bounds.append(min(max(e, bounds[-1] + 1), n - last_min - (active - 2 - r)))

@@ -54,6 +54,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--new", type=int, default=32, help="greedy tokens compared with one process's")
+    parser.add_argument("--configs", nargs="+", default=["one", "one-thread", "balanced", "even"],
+                        choices=["one", "one-thread", "balanced", "even"],
+                        help="one process on every thread / on one thread, the ranks balanced / even")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -63,8 +66,10 @@ def main() -> None:
     balanced = PrefillRanks(model, args.ranks, split="balanced")
     even = PrefillRanks(model, args.ranks, split="even")
     start_s = (time.perf_counter() - t) / 2
-    configs = {f"1 process, {threads} threads": (None, threads), "1 process, 1 thread": (None, 1),
-               f"{args.ranks} ranks balanced": (balanced, threads), f"{args.ranks} ranks even": (even, threads)}
+    every = {"one": (f"1 process, {threads} threads", (None, threads)), "one-thread": ("1 process, 1 thread", (None, 1)),
+             "balanced": (f"{args.ranks} ranks balanced", (balanced, threads)),
+             "even": (f"{args.ranks} ranks even", (even, threads))}
+    configs = dict(every[c] for c in ["one"] + [c for c in args.configs if c != "one"])  # the baseline first
     warm = document(tokenizer, 512)
     for ranks, n in configs.values():  # first calls: kernels, calibration, the helpers' first forward
         ttft(model, warm, ranks, n)

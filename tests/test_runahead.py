@@ -14,7 +14,7 @@ import torch
 import accel
 from accel import runahead
 from accel.cache import SharedCache
-from accel.runahead import PrefillRanks, check_prefill_ranks, partition
+from accel.runahead import PrefillRanks, check_prefill_ranks, chunk_cost, partition
 from accel.steps import prefill
 from snapkv import SnapKV
 
@@ -46,8 +46,10 @@ def ranks(model, two_threads):
 
 
 def cost(costs, start, end):
+    """Token by token: the first chunk's query i scores i + 1 keys, a later chunk's every key
+    up to its end (its kernel runs through a mask)."""
     a, b = costs
-    return sum(a + b * (i + 1) for i in range(start, end))
+    return sum(a + b * (i + 1 if not start else end) for i in range(start, end))
 
 
 # ----------------------------------------------------------------------------- partition
@@ -59,6 +61,7 @@ def test_balanced_chunks_cost_the_same(n, count):
     bounds = partition(n, count, costs)
     assert bounds[0] == 0 and bounds[-1] == n and bounds == sorted(bounds)
     work = [cost(costs, s, e) for s, e in zip(bounds, bounds[1:])]
+    assert work == pytest.approx([chunk_cost(costs, s, e) for s, e in zip(bounds, bounds[1:])])
     token = costs[0] + costs[1] * n  # the dearest token
     assert max(work) - min(work) <= 2 * token
     sizes = [e - s for s, e in zip(bounds, bounds[1:])]
