@@ -66,6 +66,10 @@ def check_prefill_ranks(prefill_ranks: Any) -> None:
     or an integer from 1 to the threads torch runs here (each rank needs one of its own)."""
     if prefill_ranks is None or isinstance(prefill_ranks, PrefillRanks):
         return
+    _check_count(prefill_ranks)
+
+
+def _check_count(prefill_ranks: Any) -> None:
     if isinstance(prefill_ranks, bool) or not isinstance(prefill_ranks, int) or prefill_ranks < 1:
         raise ValueError(f"prefill_ranks must be an integer >= 1 (processes the prefill runs over), None or a "
                          f"PrefillRanks, got {prefill_ranks!r}")
@@ -253,7 +257,7 @@ class PrefillRanks:
     """
 
     def __init__(self, model, ranks: int, split: str = "balanced", timeout_s: float = 120.0):
-        check_prefill_ranks(ranks)
+        _check_count(ranks)
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if any(w is not None for w in adapter.layer_windows(model)):
@@ -264,7 +268,6 @@ class PrefillRanks:
         self.ranks, self.split, self.timeout_s = ranks, split, timeout_s
         self.costs = _layer_costs(model)
         self.last: list[RankReport] = []
-        self.threads = torch.get_num_threads()
         self._procs: list[Any] = []
         self._jobs: list[Any] = []
         self._pg = None
@@ -381,7 +384,7 @@ class PrefillRanks:
         n = int(prompt.numel())
         bounds = partition(n, self.ranks, self.costs, self.split, last_min=max(window, 1))
         active = [r for r in range(self.ranks) if bounds[r + 1] > bounds[r]]
-        threads = max(1, self.threads // len(active))
+        threads = max(1, torch.get_num_threads() // len(active))  # this process's threads, shared out
         me = self.ranks - 1
         dead = [r for r in active[:-1] if not self._procs[r].is_alive()]
         if dead:

@@ -83,6 +83,10 @@ def test_prefill_ranks_errors_name_the_field(model):
             check_prefill_ranks(bad)
     with pytest.raises(ValueError, match="prefill_ranks=.*at most"):
         check_prefill_ranks(torch.get_num_threads() + 1)
+    with pytest.raises(ValueError, match="prefill_ranks"):
+        PrefillRanks(model, None)
+    with pytest.raises(ValueError, match="split"):
+        PrefillRanks(model, 2, split="uneven")
     prompt = random_prompt(0, 40)
     with pytest.raises(ValueError, match="prefill_ranks"):
         accel.generate(model, prompt, max_new_tokens=2, prefill_ranks=torch.get_num_threads() + 1)
