@@ -654,6 +654,35 @@ def capture_step_queries(model: PreTrainedModel, cache: Cache, sink: dict[int, t
 
 
 @contextmanager
+def predict_queries(model: PreTrainedModel, cache: Cache, plan: Callable[[int, torch.Tensor], None],
+                    active: Callable[[], bool]) -> Iterator[None]:
+    """While active, before each attention layer l of a forward that carries ``cache`` (when
+    ``active()`` says so), ``plan(l + 1, queries)`` gets the queries layer l + 1 would compute
+    from layer l's attention input (InfiniGen's prediction: consecutive layers' inputs are
+    alike), and before layer 0 also ``plan(0, queries)`` with layer 0's own: each ``[B, H_q,
+    T, D]``, computed as :func:`capture_step_queries` computes them (projected, q-normed,
+    rotated at the new tokens' positions). These hooks run before any other pre-hook of the
+    layer, so that a mask the plan sets is the one the layer gets. Removed on exit."""
+    modules = {_layer_index(m): m for m in _attention_modules(model)}
+    layouts = {k: query_layout(m, type(model).__name__) for k, m in modules.items()}
+
+    def hook(module, hidden, kwargs):
+        if not active():
+            return None
+        k = module.layer_idx
+        pos_emb = kwargs.get("position_embeddings")
+        t = hidden.shape[1]
+        if k == 0:
+            plan(0, _window_queries(module, layouts[0], hidden, pos_emb, t))
+        if k + 1 in modules:
+            plan(k + 1, _window_queries(modules[k + 1], layouts[k + 1], hidden, pos_emb, t))
+        return None
+
+    with _pre_attention_hook(model, cache, hook, prepend=True):
+        yield
+
+
+@contextmanager
 def capture_queries_at(model: PreTrainedModel, cache: Cache, index: torch.Tensor,
                        sink: dict[int, torch.Tensor]) -> Iterator[None]:
     """While active, each attention layer's queries of chosen tokens of a forward that carries
@@ -819,10 +848,12 @@ def _cache_argument(kwargs: dict[str, Any]) -> Any:
 
 
 @contextmanager
-def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable, masks_only: bool = False) -> Iterator[None]:
+def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable, masks_only: bool = False,
+                        prepend: bool = False) -> Iterator[None]:
     """Run ``fn(module, hidden_states, kwargs) -> new kwargs | None`` before every attention
     layer of the forwards that carry ``cache`` (others are untouched); removed on exit.
-    ``masks_only``: ``fn`` only swaps masks (:func:`has_hooks` does not count it)."""
+    ``masks_only``: ``fn`` only swaps masks (:func:`has_hooks` does not count it);
+    ``prepend``: ``fn`` runs before the pre-hooks registered earlier."""
 
     def hook(module, args, kwargs):
         if _cache_argument(kwargs) is not cache:
@@ -832,7 +863,7 @@ def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable, masks_
         return None if new is None else (args, new)
 
     hook.masks_only = masks_only
-    handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
+    handles = [m.register_forward_pre_hook(hook, with_kwargs=True, prepend=prepend) for m in _attention_modules(model)]
     try:
         yield
     finally:

@@ -182,7 +182,8 @@ class SharedCache(TransformersCache):
         # columns from its packed columns on
         self._packed: list[_Packed | None] = [None] * num_layers
         self._scratch: tuple[torch.Tensor, torch.Tensor] | None = None  # what packed layers attend to
-        self._grow = [_GROW] * num_layers  # columns added when a layer's entry buffer grows
+        self.grow_columns = _GROW  # columns added when a layer's entry buffer grows (a subclass may set more)
+        self._grow = [_GROW] * num_layers  # per layer (a layer of quantized groups grows by a group)
         self.logical_lengths: list[int] = []
         self._prefill: _Prefill | None = None
         self._masks: list[torch.Tensor | None] = [None] * num_layers
@@ -337,8 +338,7 @@ class SharedCache(TransformersCache):
         if exact:
             new_cols = cols
         # zeros, not empty: masked-out columns still meet V in the attention matmul (0 * NaN = NaN)
-        nk = like.new_zeros((new_rows, h, new_cols, d))
-        nv = like.new_zeros((new_rows, h, new_cols, d))
+        nk, nv = self._buffers((new_rows, h, new_cols, d), like)
         live = min(len(self._len[layer]), old_rows)
         used = min(self._dense_used(layer), old_cols, new_cols)
         if k is not None and live and used:
@@ -356,6 +356,11 @@ class SharedCache(TransformersCache):
             nvalid = torch.ones((new_rows, *valid.shape[1:]), dtype=torch.bool, device=valid.device)
             nvalid[: valid.shape[0]] = valid
             self._valid[layer] = nvalid
+
+    def _buffers(self, shape: tuple[int, int, int, int], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """New zeroed key and value buffers of ``shape`` [Bcap, H_kv, cap, D], of ``like``'s
+        dtype and device (a subclass keeps them elsewhere: :class:`accel.tier.TieredCache`)."""
+        return like.new_zeros(shape), like.new_zeros(shape)
 
     def _span(self, columns: int) -> int:
         """Columns attention sees for ``columns`` stored entries: rounded up to ``kv_align``
@@ -937,7 +942,7 @@ class SharedCache(TransformersCache):
             self._len = [[] for _ in range(self.num_layers)]
             self._packed = [None] * self.num_layers
             self._scratch = None
-            self._grow = [_GROW] * self.num_layers
+            self._grow = [self.grow_columns] * self.num_layers
 
 
 def _gather(keys: torch.Tensor, values: torch.Tensor, indices: torch.Tensor):

@@ -35,7 +35,8 @@ from .calibration.cost_model import CostTable, DraftCost, DraftGuard, acceptance
 from .runahead import PrefillRanks
 from .steps import (PrefillSteps, Warp, accept, chain_anchors, commit, exhaust, lookahead_columns, prefill_rest_steps,
                     prefill_steps, verify_logits)
-from .strategy import DraftContext, Drafter, Lookahead, Plan, plan_strategies
+from .strategy import DraftContext, Drafter, KVTier, Lookahead, Plan, plan_strategies
+from .tier import TieredCache
 from .tree import DraftTree
 
 # Plan and plan_strategies live in accel.strategy; importable from here too.
@@ -214,6 +215,12 @@ class Stats:
     # False in low precision (accel.kernels.invariance): greedy drafting is padded to agree with plain
     # decoding, but not claimed exact
     exact_verify: bool = True
+    # a tiered cache's (accel.tier), the batch's when the row finished (not summed over rows): bytes
+    # its planned steps fetched, what reading every entry instead would have been, and what it
+    # held in memory outside the slow tier
+    kv_bytes_fetched: int = 0
+    kv_bytes_fetch_full: int = 0
+    kv_bytes_resident: int = 0
 
     @property
     def mean_accepted(self) -> float:
@@ -366,11 +373,14 @@ class Batch:
         :func:`accel.steps.prefill`.
     prefill_ranks: the processes each whole prompt's prefill runs over (KV-Runahead,
         :class:`accel.runahead.PrefillRanks`); None: this process alone.
+    tier: a :class:`~accel.strategy.KVTier` (InfiniGen) every row's cache lives in: the
+        batch's cache is then a :class:`~accel.tier.TieredCache`; None: a plain one.
     """
 
     def __init__(self, model, max_draft: int | None = DEFAULT_MAX_DRAFT, row_capacity: int = 0,
                  costs: CostTable | None = None, prefixes: PrefixStore | None = None,
-                 prefill_chunk: int | None = None, prefill_ranks: PrefillRanks | None = None):
+                 prefill_chunk: int | None = None, prefill_ranks: PrefillRanks | None = None,
+                 tier: KVTier | None = None):
         self.model = model
         self.prefill_chunk = prefill_chunk
         self.prefill_ranks = prefill_ranks
@@ -380,7 +390,18 @@ class Batch:
         self.groups = self.geo.num_heads // self.geo.num_kv_heads
         self.windows = adapter.layer_windows(model)
         self.max_draft = max_draft
-        self.cache = SharedCache(self.geo.num_layers, self.windows)
+        self.tier = tier
+        self._projections = None
+        if tier is not None:
+            if any(w is not None for w in self.windows):
+                raise ValueError(f"{tier.name}: the model has sliding-window layers, which a tiered cache does not hold")
+            if prefill_ranks is not None:
+                raise ValueError(f"prefill_ranks: the prefill over several ranks fills plain caches, not {tier.name}'s")
+            if self.geo.device.type != "cpu":
+                raise ValueError(f"{tier.name}: the slow tier of a {self.geo.device.type} model (host memory) is not "
+                                 "built yet; tiered caches run CPU models")
+            self._projections = tier.projections(model)
+        self.cache = self.new_cache()
         self.cache.row_capacity = row_capacity
         self.cache.kv_align = invariance.kv_align(model)
         self.cache.ordered = invariance.ordered(model)
@@ -391,6 +412,12 @@ class Batch:
         self._prefix_model = (prefixes is not None and self.geo.dtype == torch.float32
                               and all(w is None for w in self.windows))
         self.guard: DraftGuard | None = None  # this step's (see draft_guard): set when it may draft, measured tables only
+
+    def new_cache(self) -> SharedCache:
+        """An empty cache of the batch's kind (tiered where the batch has a tier)."""
+        if self.tier is not None:
+            return TieredCache(self.geo.num_layers, self.tier, self._projections)
+        return SharedCache(self.geo.num_layers, self.windows)
 
     @property
     def min_nodes(self) -> int:
@@ -440,7 +467,7 @@ class Batch:
         latest: dict[int, dict[int, torch.Tensor]] = {}  # id(row) -> its last prompt queries, for eviction
         kept: dict[int, dict[int, torch.Tensor]] = {}  # id(row) -> layer -> prompt positions kept per head
         if whole:
-            fresh = SharedCache(self.geo.num_layers, self.windows)
+            fresh = self.new_cache()
             captured: dict[int, torch.Tensor] = {}
             selected: dict[tuple[int, int], torch.Tensor] = {}
             states: dict[int, torch.Tensor] = {}
@@ -468,7 +495,7 @@ class Batch:
             del captured, selected
             parts.append((whole, fresh, hidden))
         if rest:
-            fresh = SharedCache(self.geo.num_layers, self.windows)
+            fresh = self.new_cache()
             fresh.load_prefixes([(m.keys, m.values, m.length) if m is not None else None for _, m in rest])
             if whole:
                 yield
@@ -544,7 +571,7 @@ class Batch:
         """Whether ``row``'s prompt may reuse and leave prompt entries (see :mod:`accel.serving.prefix`);
         not a row that reports its prompt's log-probabilities (its whole prompt must run)."""
         return (self._prefix_model and row.plan.compressor is None and row.plan.quantizer is None
-                and row.prompt_logprobs is None)
+                and row.plan.tier is None and row.prompt_logprobs is None)
 
     def budgets(self, extra: Sequence[int] | None = None) -> tuple[list[int], bool]:
         """(Draft nodes each live row may propose this step (see :func:`draft_budgets`),
@@ -595,7 +622,8 @@ class Batch:
         tap = adapter.capture_step_queries(self.model, self.cache, captured) if captured is not None \
             else contextlib.nullcontext()
         states: dict[int, torch.Tensor] = {}
-        with tap, adapter.capture_layer_states(self.model, self.cache, self._feature_layers(rows), states):
+        fetch = self.cache.planning(self.model) if isinstance(self.cache, TieredCache) else contextlib.nullcontext()
+        with fetch, tap, adapter.capture_layer_states(self.model, self.cache, self._feature_layers(rows), states):
             anchors = [chain_anchors(tree, lk[1].anchors) if lk is not None else None for tree, lk in zip(trees, looks)]
             hidden, logits = verify_logits(self.model, self.cache, trees, self.geo.dtype, self.groups,
                                            self.min_nodes, [(a, lk[1].vectors) if lk is not None else None
@@ -700,6 +728,9 @@ class Batch:
         s.kv_bytes_kept = self.cache.kept_bytes(i)
         s.kv_bytes_stored = self.cache.storage_bytes()
         s.kv_bytes_full = self.geo.entry_bytes() * self.cache.logical_lengths[i]
+        if isinstance(self.cache, TieredCache):
+            s.kv_bytes_fetched, s.kv_bytes_fetch_full = self.cache.fetched_bytes, self.cache.full_bytes
+            s.kv_bytes_resident = self.cache.resident_bytes()
         remember(self.model, row)
         self.cache.remove(i)
         for drafter, state in zip(row.plan.drafters, row.states):
@@ -779,7 +810,11 @@ def batch_steps(model, rows: list[Row], max_draft: int | None = DEFAULT_MAX_DRAF
     """Decode ``rows`` together until every one is done, yielding after the prefill and after
     every step the (row, newly emitted tokens) pairs of the rows that took part (the first
     yield has every row: one with ``max_new_tokens=0`` is done there, with no tokens)."""
-    batch = Batch(model, max_draft=max_draft, prefill_chunk=prefill_chunk, prefill_ranks=prefill_ranks)
+    tiers = {id(r.plan.tier): r.plan.tier for r in rows}
+    if len(tiers) > 1:
+        raise ValueError("strategies: the rows of one call share one cache, so one KV tier (or none) for all")
+    batch = Batch(model, max_draft=max_draft, prefill_chunk=prefill_chunk, prefill_ranks=prefill_ranks,
+                  tier=next(iter(tiers.values()), None))
     live = [r for r in rows if r.max_new_tokens > 0]
     for r in rows:
         if r.max_new_tokens <= 0:

@@ -19,6 +19,8 @@ The decode loop never uses ``isinstance`` on strategies; it reads capability fla
   whose outputs become its next drafts (PaSS), as a :class:`Lookahead`.
 - ``accepts``: the strategy replaces the acceptance rule (:class:`AcceptanceRule`).
 - ``quantizes_kv``: the strategy quantizes the entries a row keeps (:class:`KVQuantizer`).
+- ``tiers_kv``: the strategy keeps every entry in a slower tier and has each decode step's
+  attention read only the entries it predicts that step needs (:class:`KVTier`, InfiniGen).
 
 A request's strategies, sorted by capability, are its :class:`Plan` (:func:`plan_strategies`).
 """
@@ -44,6 +46,7 @@ __all__ = [
     "Lookahead",
     "AcceptanceRule",
     "KVQuantizer",
+    "KVTier",
     "REGISTRY",
     "register",
     "build_strategy",
@@ -69,6 +72,7 @@ class Strategy(BaseModel):
     needs_hidden: ClassVar[bool] = False
     accepts: ClassVar[bool] = False
     quantizes_kv: ClassVar[bool] = False
+    tiers_kv: ClassVar[bool] = False
 
     def spec(self) -> dict[str, Any]:
         """The mapping this strategy is rebuilt from: ``build_strategy(s.spec()) == s``."""
@@ -346,6 +350,44 @@ class KVQuantizer(Strategy):
         raise NotImplementedError
 
 
+class KVTier(Strategy):
+    """Keeps every entry of the cache in a slow tier and, before each layer of a decode step
+    attends, fetches only the entries it predicts that layer's queries need into a fast tier
+    (:class:`accel.tier.TieredCache`). Nothing is dropped for good: a later step may fetch
+    what an earlier one left behind.
+
+    The cache scores every committed entry with partial keys (each key projected onto the
+    few directions :meth:`projections` gives, kept in memory) against the step's predicted
+    partial queries, and fetches, per row, KV head and query token, the top
+    :meth:`fast_entries` ``[0]`` entries plus the ``[1]`` latest (the recent window).
+    """
+
+    tiers_kv: ClassVar[bool] = True
+
+    def fast_entries(self) -> tuple[int, int]:
+        """(selected, window): entries each query token reads per KV head beside its own
+        step's: the top-scored ``selected`` of those before its window, and every committed
+        entry of its last ``window`` positions."""
+        raise NotImplementedError
+
+    def slow_tier(self) -> tuple[str, str | None]:
+        """(kind, folder): ``"file"`` (memory-mapped files in ``folder``, None: the user
+        cache folder; the process keeps none of their pages between steps) or ``"memory"``
+        (ordinary tensors)."""
+        raise NotImplementedError
+
+    def step_tokens(self) -> int:
+        """Forwards of more new tokens per row than this (prompt chunks) attend to every
+        entry."""
+        return 64
+
+    def projections(self, model: Any) -> list[torch.Tensor]:
+        """Per decoder layer, the partial projection ``[H_kv, D, r]`` (orthonormal columns)
+        that partial keys and queries are made with (``k @ P``, ``q @ P``): computed once per
+        model and kept."""
+        raise NotImplementedError
+
+
 class AcceptanceRule(Strategy):
     """Replaces the default acceptance (greedy / lossless speculative sampling)."""
 
@@ -453,6 +495,7 @@ class Plan:
     drafters: tuple[Drafter, ...]
     rule: Strategy | None  # an AcceptanceRule, or None for greedy / lossless sampling
     quantizer: KVQuantizer | None = None  # quantizes what the row keeps (after the compressor)
+    tier: KVTier | None = None  # keeps the whole cache in a slow tier, fetching what each step reads
 
     @property
     def needs_hidden(self) -> bool:
@@ -487,6 +530,13 @@ def plan_strategies(strategies: list[Strategy]) -> Plan:
     compressors = [s for s in strategies if s.compresses_prompt]
     rules = [s for s in strategies if s.accepts]
     quantizers = [s for s in strategies if s.quantizes_kv]
+    tiers = [s for s in strategies if s.tiers_kv]
+    if len(tiers) > 1:
+        raise ValueError(f"at most one KV tier per call, got {[s.name for s in tiers]}")
+    if tiers and (compressors or quantizers):
+        other = (compressors or quantizers)[0].name
+        raise ValueError(f"{tiers[0].name} keeps every entry and fetches what each step reads; it does not stack "
+                         f"with {other}, which drops or rounds entries")
     if len(quantizers) > 1:
         raise ValueError(f"at most one KV quantizer per call, got {[s.name for s in quantizers]}")
     if len(compressors) > 1:
@@ -495,7 +545,7 @@ def plan_strategies(strategies: list[Strategy]) -> Plan:
         raise ValueError(f"at most one acceptance rule per call, got {[s.name for s in rules]}")
     drafters = tuple(s for s in strategies if s.drafts)
     return Plan(compressors[0] if compressors else None, drafters, rules[0] if rules else None,
-                quantizers[0] if quantizers else None)
+                quantizers[0] if quantizers else None, tiers[0] if tiers else None)
 
 
 def _spec_string(drafter: Drafter) -> str:

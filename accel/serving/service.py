@@ -273,6 +273,9 @@ class Engine:
 
     def _plan(self, strategies) -> Plan:
         plan = plan_strategies(build_strategies(strategies))
+        if plan.tier is not None:
+            raise ValueError(f"strategies: {plan.tier.name} (a tiered cache) is not served by accel.Engine yet; "
+                             "use accel.generate / accel.stream")
         plan.check(self.model)
         return plan
 
