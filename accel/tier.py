@@ -71,11 +71,11 @@ class _PartialKeys(SharedCache):
 
 @dataclass
 class _Plan:
-    """One layer's fetch for the step: keys and values [B, H_kv, U + T, D] (the first U columns
-    fetched, the last T for the step's own entries) and the layer's mask [B, H_q, T, U + T]."""
+    """One layer's fetch for the step: the slow-tier columns ``[B, H_kv, U + T]`` attention
+    reads (U chosen committed entries, ascending, then the step's T new ones), U, and the
+    layer's mask [B, H_q or 1, T, U + T]."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    columns: torch.Tensor
     width: int
     mask: torch.Tensor
 
@@ -188,7 +188,8 @@ class TieredCache(SharedCache):
         return mask
 
     def plan(self, layer: int, queries: torch.Tensor) -> None:
-        """Choose and fetch what layer ``layer`` attends to this step (see the module docstring).
+        """Choose what layer ``layer`` attends to this step and build its mask (see the module
+        docstring); the entries are fetched when the layer stores its own (:meth:`_store`).
 
         queries: [B, H_q, T, D] the step's (predicted) queries of that layer, post-RoPE.
         """
@@ -199,40 +200,45 @@ class TieredCache(SharedCache):
         h = proj.shape[0]
         groups = hq // h
         lengths = self._len[layer]
-        width = max(lengths)
+        width = max(lengths)  # the step's new entries go to columns width .. width + T - 1
         part = self.partial.storage(layer)[0][:bsz, :, :width]  # [B, H, W, r]
         q = (queries.reshape(bsz, h, groups, t, d).to(proj.dtype) @ proj[None, :, None]).sum(2)  # [B, H, T, r]
-        scores = q @ part.to(proj.dtype).transpose(-1, -2)  # [B, H, T, W]
+        scores = q @ part.transpose(-1, -2)  # [B, H, T, W]
         device = queries.device
         cols = torch.arange(width, device=device)
         held = torch.tensor(lengths, device=device)[:, None, None]  # [B, 1, 1]
         start = self._step_positions[:, :, None] - self.window  # [B, T, 1]: where each token's window starts
         before = (cols < start) & (cols < held)  # [B, T, W]
-        recent = (cols >= start) & (cols < held)
-        scores = scores.masked_fill(~before[:, None], float("-inf"))
-        top = scores.topk(min(self.selected, width), dim=-1)
+        scores.masked_fill_(~before[:, None], float("-inf"))
+        top = scores.topk(min(self.selected, width), dim=-1, sorted=False)
         chosen = torch.zeros(scores.shape, dtype=torch.bool, device=device)
         chosen.scatter_(-1, top.indices, top.values > float("-inf"))
-        chosen |= recent[:, None]  # [B, H, T, W]
-        union = chosen.any(2)  # [B, H, W]
+        chosen |= ((cols >= start) & (cols < held))[:, None]  # [B, H, T, W]: the window
+        union = chosen.any(2) if t > 1 else chosen[:, :, 0]  # [B, H, W]
         count = union.sum(-1)  # [B, H]
         u = max(int(count.max()), 1)
-        order = torch.where(union, cols, width).sort(dim=-1).values[..., :u]  # [B, H, U] ascending, padded with W
-        real = order < width
-        index = torch.where(real, order, 0)
-        sees = chosen.gather(-1, index[:, :, None, :].expand(bsz, h, t, u)) & real[:, :, None, :]  # [B, H, T, U]
-        k, v = self._k[layer], self._v[layer]
-        fk = k.new_empty((bsz, h, u + t, d))
-        fv = v.new_empty((bsz, h, u + t, d))
-        gather = index[..., None].expand(bsz, h, u, d)
-        fk[:, :, :u] = k[:bsz].gather(2, gather)
-        fv[:, :, :u] = v[:bsz].gather(2, gather)
-        allowed = torch.cat([sees.repeat_interleave(groups, dim=1),
-                             self._visible[:bsz, None].expand(bsz, hq, t, t)], dim=-1)
-        mask = torch.zeros(allowed.shape, dtype=self._dtype, device=device)
-        mask.masked_fill_(~allowed, torch.finfo(self._dtype).min)
-        self._plans[layer] = _Plan(fk, fv, u, mask)
-        entry = 2 * d * k.element_size()
+        if bool((count == u).all()):  # every head fetches as many: ascending columns, no padding
+            index = union.nonzero()[:, -1].view(bsz, h, u)
+            real = None
+        else:  # column i of a head is its i-th chosen entry; heads with fewer are padded (masked)
+            slot = torch.where(union, union.cumsum(-1) - 1, u)
+            index = torch.zeros((bsz, h, u + 1), dtype=torch.long, device=device)
+            index.scatter_(-1, slot, cols.expand(bsz, h, width))
+            index = index[..., :u]
+            real = torch.arange(u, device=device) < count[..., None]  # [B, H, U]
+        if t == 1 and real is None:  # each token sees every fetched entry and itself
+            mask = torch.zeros((bsz, 1, 1, u + 1), dtype=self._dtype, device=device)
+        else:
+            sees = chosen.gather(-1, index[:, :, None, :].expand(bsz, h, t, u))  # [B, H, T, U]
+            if real is not None:
+                sees &= real[:, :, None, :]
+            allowed = torch.cat([sees.repeat_interleave(groups, dim=1),
+                                 self._visible[:bsz, None].expand(bsz, hq, t, t)], dim=-1)
+            mask = torch.zeros(allowed.shape, dtype=self._dtype, device=device)
+            mask.masked_fill_(~allowed, torch.finfo(self._dtype).min)
+        new = (width + torch.arange(t, device=device)).expand(bsz, h, t)
+        self._plans[layer] = _Plan(torch.cat([index, new], dim=-1), u, mask)
+        entry = 2 * d * self._k[layer].element_size()
         self.fetched_bytes += int(count.sum()) * entry
         self.full_bytes += sum(lengths) * h * entry
 
@@ -243,9 +249,13 @@ class TieredCache(SharedCache):
         plan = self._plans[layer_idx]
         if plan is None:
             return out
-        plan.keys[:, :, plan.width :] = keys
-        plan.values[:, :, plan.width :] = values
-        return plan.keys, plan.values
+        # the fetch: the chosen committed entries and the step's own, one row copy each
+        k, v = self._k[layer_idx], self._v[layer_idx]  # [Bcap, H, cap, D], contiguous
+        bsz, h, d = keys.shape[0], k.shape[1], k.shape[3]
+        heads = torch.arange(bsz * h, device=keys.device).view(bsz, h, 1) * k.shape[2]
+        rows = (heads + plan.columns).flatten()
+        return (k.view(-1, d).index_select(0, rows).view(bsz, h, -1, d),
+                v.view(-1, d).index_select(0, rows).view(bsz, h, -1, d))
 
     # ------------------------------------------------------------------ mirrored on the partial keys
 
