@@ -655,13 +655,14 @@ def capture_step_queries(model: PreTrainedModel, cache: Cache, sink: dict[int, t
 
 @contextmanager
 def predict_queries(model: PreTrainedModel, cache: Cache, plan: Callable[[int, torch.Tensor], None],
-                    active: Callable[[], bool]) -> Iterator[None]:
+                    active: Callable[[], bool], ahead: bool = True) -> Iterator[None]:
     """While active, before each attention layer l of a forward that carries ``cache`` (when
     ``active()`` says so), ``plan(l + 1, queries)`` gets the queries layer l + 1 would compute
     from layer l's attention input (InfiniGen's prediction: consecutive layers' inputs are
     alike), and before layer 0 also ``plan(0, queries)`` with layer 0's own: each ``[B, H_q,
     T, D]``, computed as :func:`capture_step_queries` computes them (projected, q-normed,
-    rotated at the new tokens' positions). These hooks run before any other pre-hook of the
+    rotated at the new tokens' positions). ``ahead=False``: ``plan(l, queries)`` with layer
+    l's own queries, before layer l attends. These hooks run before any other pre-hook of the
     layer, so that a mask the plan sets is the one the layer gets. Removed on exit."""
     modules = {_layer_index(m): m for m in _attention_modules(model)}
     layouts = {k: query_layout(m, type(model).__name__) for k, m in modules.items()}
@@ -672,9 +673,9 @@ def predict_queries(model: PreTrainedModel, cache: Cache, plan: Callable[[int, t
         k = module.layer_idx
         pos_emb = kwargs.get("position_embeddings")
         t = hidden.shape[1]
-        if k == 0:
-            plan(0, _window_queries(module, layouts[0], hidden, pos_emb, t))
-        if k + 1 in modules:
+        if k == 0 or not ahead:
+            plan(k, _window_queries(module, layouts[k], hidden, pos_emb, t))
+        if ahead and k + 1 in modules:
             plan(k + 1, _window_queries(modules[k + 1], layouts[k + 1], hidden, pos_emb, t))
         return None
 

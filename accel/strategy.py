@@ -381,6 +381,17 @@ class KVTier(Strategy):
         entry."""
         return 64
 
+    def predicts_ahead(self) -> bool:
+        """True: layer l + 1's queries are predicted from layer l's attention input, during
+        layer l (InfiniGen's speculation, which lets a fetch overlap layer l's work); False:
+        each layer chooses with its own queries, computed before it attends."""
+        return True
+
+    def head_pooling(self) -> str:
+        """How the query heads sharing a KV head combine their partial scores: ``"sum"``
+        of the logits, or ``"max"`` of each head's softmax over the entries."""
+        return "max"
+
     def projections(self, model: Any) -> list[torch.Tensor]:
         """Per decoder layer, the partial projection ``[H_kv, D, r]`` (orthonormal columns)
         that partial keys and queries are made with (``k @ P``, ``q @ P``): computed once per

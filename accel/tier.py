@@ -97,6 +97,7 @@ class TieredCache(SharedCache):
             raise ValueError(f"{tier.name}: {len(projections)} partial projections for {num_layers} layers")
         self.tier = tier
         self.selected, self.window = tier.fast_entries()
+        self.pooling = tier.head_pooling()
         kind, folder = tier.slow_tier()
         self.in_files = kind == "file"
         self.folder = Path(folder) if folder is not None else cache_dir() / "kv-tier"
@@ -106,7 +107,7 @@ class TieredCache(SharedCache):
             self._grow = [_FILE_GROW] * num_layers
         self.projections = list(projections)
         self.partial = _PartialKeys(num_layers)
-        self._maps: list[tuple[weakref.ref, mmap.mmap]] = []  # the slow tier's mappings, while their buffers live
+        self._maps: dict[int, tuple[weakref.ref, mmap.mmap]] = {}  # id(buffer) -> its mapping, while it lives
         self._plans: list[_Plan | None] = [None] * num_layers
         self._sparse = False  # this forward attends to what plan() fetches
         self.predicting = False  # set while accel.adapter.predict_queries serves this cache
@@ -134,17 +135,27 @@ class TieredCache(SharedCache):
         if not count:
             return torch.empty(shape, dtype=dtype)
         t = torch.frombuffer(mm, dtype=dtype, count=count).view(shape)
-        self._maps.append((weakref.ref(t), mm))
+        self._maps[id(t)] = (weakref.ref(t), mm)
         return t
 
-    def release(self) -> None:
-        """Give back the process's pages of the slow tier (they stay in the files): what the
-        process holds resident is then the fast tier, the partial keys and the model."""
-        live = []
-        for ref, mm in self._maps:
+    def release(self, layer: int | None = None) -> None:
+        """Give back the process's pages of the slow tier, of one layer or all (they stay in the
+        files): what the process holds resident is then the fast tier, the partial keys and
+        the model. Called after each layer's fetch, after a layer stores its prompt and after
+        every commit."""
+        if not self._maps:
+            return
+        if layer is not None:
+            for t in (self._k[layer], self._v[layer]):
+                entry = self._maps.get(id(t)) if t is not None else None
+                if entry is not None and entry[0]() is t:
+                    entry[1].madvise(mmap.MADV_DONTNEED)
+            return
+        live = {}
+        for key, (ref, mm) in self._maps.items():
             if ref() is not None:
                 mm.madvise(mmap.MADV_DONTNEED)
-                live.append((ref, mm))
+                live[key] = (ref, mm)
         self._maps = live
 
     # ------------------------------------------------------------------ what a layer attends to
@@ -156,7 +167,7 @@ class TieredCache(SharedCache):
         outside it every forward reads every entry."""
         self.predicting = True
         try:
-            with adapter.predict_queries(model, self, self.plan, lambda: self._sparse):
+            with adapter.predict_queries(model, self, self.plan, lambda: self._sparse, self.tier.predicts_ahead()):
                 yield
         finally:
             self.predicting = False
@@ -202,14 +213,18 @@ class TieredCache(SharedCache):
         lengths = self._len[layer]
         width = max(lengths)  # the step's new entries go to columns width .. width + T - 1
         part = self.partial.storage(layer)[0][:bsz, :, :width]  # [B, H, W, r]
-        q = (queries.reshape(bsz, h, groups, t, d).to(proj.dtype) @ proj[None, :, None]).sum(2)  # [B, H, T, r]
-        scores = q @ part.transpose(-1, -2)  # [B, H, T, W]
+        q = queries.reshape(bsz, h, groups, t, d).to(proj.dtype) @ proj[None, :, None]  # [B, H, G, T, r]
         device = queries.device
         cols = torch.arange(width, device=device)
         held = torch.tensor(lengths, device=device)[:, None, None]  # [B, 1, 1]
         start = self._step_positions[:, :, None] - self.window  # [B, T, 1]: where each token's window starts
         before = (cols < start) & (cols < held)  # [B, T, W]
-        scores.masked_fill_(~before[:, None], float("-inf"))
+        if self.pooling == "sum" or groups == 1:
+            scores = q.sum(2) @ part.transpose(-1, -2)  # [B, H, T, W]: the group's logits summed
+            scores.masked_fill_(~before[:, None], float("-inf"))
+        else:  # each query head's softmax over the candidates, the group's largest
+            logits = (q @ part[:, :, None].transpose(-1, -2)).masked_fill_(~before[:, None, None], float("-inf"))
+            scores = logits.softmax(-1).amax(2).masked_fill_(~before[:, None], float("-inf"))
         top = scores.topk(min(self.selected, width), dim=-1, sorted=False)
         chosen = torch.zeros(scores.shape, dtype=torch.bool, device=device)
         chosen.scatter_(-1, top.indices, top.values > float("-inf"))
@@ -243,9 +258,12 @@ class TieredCache(SharedCache):
         self.full_bytes += sum(lengths) * h * entry
 
     def _store(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        prompt = self._prefill is not None and not self._len[layer_idx]
         out = super()._store(layer_idx, keys, values)
         part = keys.to(self.projections[layer_idx].dtype) @ self.projections[layer_idx][None]  # [B, H, T, r]
         self.partial._store(layer_idx, part, part[..., :0])
+        if prompt:  # the prompt attends to its own keys, not to the slow tier's copy
+            self.release(layer_idx)
         plan = self._plans[layer_idx]
         if plan is None:
             return out
@@ -254,8 +272,10 @@ class TieredCache(SharedCache):
         bsz, h, d = keys.shape[0], k.shape[1], k.shape[3]
         heads = torch.arange(bsz * h, device=keys.device).view(bsz, h, 1) * k.shape[2]
         rows = (heads + plan.columns).flatten()
-        return (k.view(-1, d).index_select(0, rows).view(bsz, h, -1, d),
-                v.view(-1, d).index_select(0, rows).view(bsz, h, -1, d))
+        fk = k.view(-1, d).index_select(0, rows).view(bsz, h, -1, d)
+        fv = v.view(-1, d).index_select(0, rows).view(bsz, h, -1, d)
+        self.release(layer_idx)
+        return fk, fv
 
     # ------------------------------------------------------------------ mirrored on the partial keys
 

@@ -63,6 +63,13 @@ class InfiniGen(KVTier):
     unlinked at once and go with the cache."""
     calibration_tokens: int = Field(512, ge=16)
     """Tokens of the one calibration pass the partial projections come from."""
+    predict: Literal["previous_layer", "own_layer"] = "previous_layer"
+    """Whose input a layer's queries are predicted from: the layer before's (InfiniGen: the
+    prediction is ready a layer early, so the fetch could overlap that layer's work) or its
+    own (exact queries, computed just before it attends: nothing to overlap)."""
+    gqa: Literal["max", "sum"] = "max"
+    """How a KV head's query heads combine their scores: the largest of their softmaxes, or
+    the sum of their logits."""
 
     @model_validator(mode="after")
     def _window_below_budget(self) -> "InfiniGen":
@@ -76,6 +83,12 @@ class InfiniGen(KVTier):
 
     def slow_tier(self) -> tuple[str, str | None]:
         return self.tier, self.folder
+
+    def predicts_ahead(self) -> bool:
+        return self.predict == "previous_layer"
+
+    def head_pooling(self) -> str:
+        return self.gqa
 
     def projections(self, model: Any) -> list[torch.Tensor]:
         return partial_projections(model, self.partial, self.calibration_tokens)

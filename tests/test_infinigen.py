@@ -76,15 +76,19 @@ def test_a_small_budget_fetches_a_fraction_and_changes_the_output(model):
 
 @pytest.mark.parametrize("drafters", [
     [PromptLookup()],
+    "own_layer",
     [Scripted(mode="random", size=6)],  # garbage drafts, random trees
     [Scripted(mode="right_then_wrong", k=2, size=5)],
-], ids=["prompt_lookup", "garbage", "right_then_wrong"])
+], ids=["prompt_lookup", "own_layer", "garbage", "right_then_wrong"])
 def test_greedy_drafting_equals_plain_decoding_on_the_tiered_cache(model, drafters):
     prompt = _prompt()
-    plain = accel.generate(model, prompt, [SMALL], max_new_tokens=40)
+    tier = SMALL
+    if drafters == "own_layer":  # each layer choosing with its own queries
+        tier, drafters = SMALL.model_copy(update={"predict": "own_layer"}), [PromptLookup()]
+    plain = accel.generate(model, prompt, [tier], max_new_tokens=40)
     if drafters[0].name == "scripted_test" and drafters[0].mode != "random":
         drafters = [drafters[0].model_copy(update={"reference": tuple(plain.sequences[0].tolist())})]
-    drafted = accel.generate(model, prompt, [SMALL, *drafters], max_new_tokens=40)
+    drafted = accel.generate(model, prompt, [tier, *drafters], max_new_tokens=40)
     assert _new(drafted) == _new(plain)
     if drafters[0].name == "prompt_lookup" or drafters[0].mode != "random":
         assert drafted.stats.mean_accepted > 1.0  # drafts were verified on the tiered cache, and accepted
@@ -151,22 +155,26 @@ def test_what_a_step_fetches_is_what_each_token_sees(model):
         assert all(torch.equal(sees[g * groups], sees[g * groups + groups - 1]) for g in range(2))  # one choice per KV head
 
 
+@pytest.mark.parametrize("gqa,predict", [("sum", "previous_layer"), ("max", "previous_layer"), ("max", "own_layer")])
 @torch.inference_mode()
-def test_the_choice_is_the_top_of_the_scores(model):
-    """With every dimension kept (partial=1) the scores are the exact q.k summed over a KV
-    head's query heads: the fetched entries before the window are their top ones."""
-    tier = InfiniGen(budget=16, window=4, partial=1.0)
+def test_the_choice_is_the_top_of_the_scores(model, gqa, predict):
+    """With every dimension kept (partial=1) the scores are the exact q.k of a KV head's query
+    heads, summed or the largest of their softmaxes: the fetched entries before the window are
+    their top ones."""
+    tier = InfiniGen(budget=16, window=4, partial=1.0, gqa=gqa, predict=predict)
     prompt = _prompt(80)
     cache, queries = _planned_cache(model, tier, prompt, t=1)
     groups = model.config.num_attention_heads // model.config.num_key_value_heads
-    layer = 0  # layer 0 plans with its own queries: exact
-    q = queries[layer][0, :, 0]  # [H_q, D]
-    keys = cache._k[layer][0, :, :80]  # [H, 80, D]
-    plan = cache._plans[layer]
-    assert plan.mask.shape == (1, 1, 1, 17) and bool((plan.mask == 0).all())  # one token: it sees all it fetched
-    for h in range(keys.shape[0]):
-        score = (keys[h] @ q[h * groups : (h + 1) * groups].T).sum(-1)  # [80]
-        top = set(score[: 80 - 4].topk(12).indices.tolist())
+    # layer 0 plans with its own queries; later layers too where predict="own_layer"
+    for layer, h in [(layer, h) for layer in (range(cache.num_layers) if predict == "own_layer" else (0,))
+                     for h in range(model.config.num_key_value_heads)]:
+        q = queries[layer][0, :, 0]  # [H_q, D]
+        keys = cache._k[layer][0, :, :80]  # [H, 80, D]
+        plan = cache._plans[layer]
+        assert plan.mask.shape == (1, 1, 1, 17) and bool((plan.mask == 0).all())  # one token: it sees all it fetched
+        logits = keys[h, : 80 - 4] @ q[h * groups : (h + 1) * groups].T  # [76, G]
+        score = logits.sum(-1) if gqa == "sum" else logits.softmax(0).amax(-1)
+        top = set(score.topk(12).indices.tolist())
         assert set(plan.columns[0, h, :16].tolist()) == top | set(range(76, 80))
 
 
