@@ -330,6 +330,9 @@ def flat_forward(
     b, t = input_ids.shape
     attention = AttentionInterface._global_mapping[model.config.get_text_config(decoder=True)._attn_implementation]
     uniform = getattr(cache, "uniform_masks", True)
+    plan = getattr(cache, "query_plan", None)
+    if plan is not None and not plan.active():
+        plan = None
     x = decoder.embed_tokens.forward(input_ids)
     cos, sin = decoder.rotary_emb(x, position_ids=position_ids)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -341,6 +344,12 @@ def flat_forward(
         v = v_proj.forward(h).view(shape).transpose(1, 2)
         q = (q * cos) + (rotate_half(q) * sin)
         k = (k * cos) + (rotate_half(k) * sin)
+        if plan is not None:  # what predict_queries' hooks do on transformers' forward
+            if idx == 0 or not plan.ahead:
+                plan.plan(idx, q)
+            if plan.ahead and idx + 1 < len(layers):
+                nq = layers[idx + 1][2].forward(h).view(shape).transpose(1, 2)
+                plan.plan(idx + 1, (nq * cos) + (rotate_half(nq) * sin))
         k, v = cache.update(k, v, idx)
         mask = attention_mask if uniform else cache.layer_mask(idx)
         out, _ = attention(attn, q, k, v, mask, dropout=0.0, scaling=attn.scaling)
@@ -653,6 +662,18 @@ def capture_step_queries(model: PreTrainedModel, cache: Cache, sink: dict[int, t
         yield
 
 
+@dataclass(frozen=True)
+class QueryPlan:
+    """What :func:`predict_queries` hands a cache's forwards: ``plan(layer, queries)``,
+    whether layer l + 1's queries are predicted from layer l's input (``ahead``), and whether
+    this forward plans at all (``active()``). :func:`flat_forward` reads it off the cache
+    (``cache.query_plan``) and does what the hooks do, from the queries it computes anyway."""
+
+    plan: Callable[[int, torch.Tensor], None]
+    ahead: bool
+    active: Callable[[], bool]
+
+
 @contextmanager
 def predict_queries(model: PreTrainedModel, cache: Cache, plan: Callable[[int, torch.Tensor], None],
                     active: Callable[[], bool], ahead: bool = True) -> Iterator[None]:
@@ -663,7 +684,9 @@ def predict_queries(model: PreTrainedModel, cache: Cache, plan: Callable[[int, t
     T, D]``, computed as :func:`capture_step_queries` computes them (projected, q-normed,
     rotated at the new tokens' positions). ``ahead=False``: ``plan(l, queries)`` with layer
     l's own queries, before layer l attends. These hooks run before any other pre-hook of the
-    layer, so that a mask the plan sets is the one the layer gets. Removed on exit."""
+    layer, so that a mask the plan sets is the one the layer gets; :func:`flat_forward` does
+    the same itself (``cache.query_plan``), so they do not keep a forward off the flat path.
+    Removed on exit."""
     modules = {_layer_index(m): m for m in _attention_modules(model)}
     layouts = {k: query_layout(m, type(model).__name__) for k, m in modules.items()}
 
@@ -679,8 +702,12 @@ def predict_queries(model: PreTrainedModel, cache: Cache, plan: Callable[[int, t
             plan(k + 1, _window_queries(modules[k + 1], layouts[k + 1], hidden, pos_emb, t))
         return None
 
-    with _pre_attention_hook(model, cache, hook, prepend=True):
-        yield
+    cache.query_plan = QueryPlan(plan, ahead, active)
+    try:
+        with _pre_attention_hook(model, cache, hook, masks_only=True, prepend=True):
+            yield
+    finally:
+        cache.query_plan = None
 
 
 @contextmanager
@@ -853,8 +880,9 @@ def _pre_attention_hook(model: PreTrainedModel, cache: Any, fn: Callable, masks_
                         prepend: bool = False) -> Iterator[None]:
     """Run ``fn(module, hidden_states, kwargs) -> new kwargs | None`` before every attention
     layer of the forwards that carry ``cache`` (others are untouched); removed on exit.
-    ``masks_only``: ``fn`` only swaps masks (:func:`has_hooks` does not count it);
-    ``prepend``: ``fn`` runs before the pre-hooks registered earlier."""
+    ``masks_only``: ``fn`` only does what :func:`flat_forward` does itself (swaps masks, hands
+    the cache its queries), so :func:`has_hooks` does not count it; ``prepend``: ``fn`` runs
+    before the pre-hooks registered earlier."""
 
     def hook(module, args, kwargs):
         if _cache_argument(kwargs) is not cache:

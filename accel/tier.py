@@ -111,6 +111,7 @@ class TieredCache(SharedCache):
         self._plans: list[_Plan | None] = [None] * num_layers
         self._sparse = False  # this forward attends to what plan() fetches
         self.predicting = False  # set while accel.adapter.predict_queries serves this cache
+        self.query_plan = None  # what accel.adapter.flat_forward plans with, meanwhile
         self._visible: torch.Tensor | None = None  # [B, T, T] of the step
         self._dtype = torch.float32
         self.fetched_bytes = 0
@@ -223,7 +224,8 @@ class TieredCache(SharedCache):
             scores = q.sum(2) @ part.transpose(-1, -2)  # [B, H, T, W]: the group's logits summed
             scores.masked_fill_(~before[:, None], float("-inf"))
         else:  # each query head's softmax over the candidates, the group's largest
-            logits = (q @ part[:, :, None].transpose(-1, -2)).masked_fill_(~before[:, None, None], float("-inf"))
+            logits = (q.reshape(bsz, h, groups * t, -1) @ part.transpose(-1, -2)).view(bsz, h, groups, t, width)
+            logits.masked_fill_(~before[:, None, None], float("-inf"))
             scores = logits.softmax(-1).amax(2).masked_fill_(~before[:, None], float("-inf"))
         top = scores.topk(min(self.selected, width), dim=-1, sorted=False)
         chosen = torch.zeros(scores.shape, dtype=torch.bool, device=device)

@@ -6,7 +6,8 @@ no longer hold.
 
     python benchmarks/infinigen.py --out docs/results/infinigen_zen3_f32.json
 
-Part 1, per length and needle depth, each configuration in turn (never two at once):
+Part 1, per length and needle depth, each configuration in turn (never two at once; InfiniGen
+with its slow tier in files and in memory):
 ``accel.engine.batch_steps`` of one row, greedy, ``--new`` tokens. Figures: prefill seconds,
 decode tokens per second, whether the answer holds the pass key, how many leading tokens
 equal the full cache's, the bytes the planned steps fetched against a full read of the same
@@ -194,7 +195,8 @@ def main() -> None:
     args = ap.parse_args()
     model, tokenizer = load_model(args.model)
     configs = {"full": [], f"snapkv_{args.budget}": [SnapKV(budget=args.budget)],
-               f"infinigen_{args.budget}": [InfiniGen(budget=args.budget)]}
+               f"infinigen_{args.budget}_file": [InfiniGen(budget=args.budget)],
+               f"infinigen_{args.budget}_memory": [InfiniGen(budget=args.budget, tier="memory")]}
     InfiniGen(budget=args.budget).projections(model)  # calibrated once, before anything is timed
     report = {"machine": cpu_model(), "threads": torch.get_num_threads(), "dtype": str(adapter.geometry(model).dtype),
               "budget": args.budget, "new_tokens": args.new, "needles": [], "follow_up": []}
@@ -215,13 +217,15 @@ def main() -> None:
                 r["agrees_with_full"] = f"{agree}/{len(full)}"
                 report["needles"].append(r)
                 rss = r["rss_above_start"].get("decode", {})
-                print(f"{item.item_id:>14} {name:>15}: found={r['found']!s:5} prefill {r['prefill_s']:6.1f}s decode "
+                print(f"{item.item_id:>14} {name:>21}: found={r['found']!s:5} prefill {r['prefill_s']:6.1f}s decode "
                       f"{r['decode_tok_s']:5.1f} tok/s agree {r['agrees_with_full']:>5} fetched "
                       f"{r['fetched_fraction']} RSS+ decode {rss.get('VmRSS', 0) / 2**20:.0f} MiB "
                       f"(file {rss.get('RssFile', 0) / 2**20:.0f})", flush=True)
     doc, key, code = follow_up_document(tokenizer, args.follow_length, seed=7)
     for name, strategy in [("full", None)] + [(f"{kind}_{b}", cls(budget=b)) for b in args.follow_budgets
                                              for kind, cls in (("snapkv", SnapKV), ("infinigen", InfiniGen))]:
+        if isinstance(strategy, InfiniGen):
+            strategy = strategy.model_copy(update={"tier": "memory"})  # the same answers as the file tier's
         r = two_turns(model, tokenizer, doc, strategy, args.new)
         r.update(config=name, pass_key=key, door_code=code, door_code_found=code in r["answers"][0],
                  pass_key_found=key in r["answers"][1])
