@@ -109,6 +109,7 @@ class TieredCache(SharedCache):
         self.partial = _PartialKeys(num_layers)
         self._maps: dict[int, tuple[weakref.ref, mmap.mmap]] = {}  # id(buffer) -> its mapping, while it lives
         self._plans: list[_Plan | None] = [None] * num_layers
+        self._parts: tuple | None = None  # what every layer's plan of this step shares
         self._sparse = False  # this forward attends to what plan() fetches
         self.predicting = False  # set while accel.adapter.predict_queries serves this cache
         self.query_plan = None  # what accel.adapter.flat_forward plans with, meanwhile
@@ -190,6 +191,7 @@ class TieredCache(SharedCache):
         mask = super().prepare_step(positions, tree_mask, dtype, groups)
         bsz, t = positions.shape
         self._plans = [None] * self.num_layers
+        self._parts = None
         self._visible = tree_mask if tree_mask is not None else torch.ones((bsz, 1, 1), dtype=torch.bool,
                                                                            device=positions.device)
         self._dtype = dtype
@@ -216,21 +218,26 @@ class TieredCache(SharedCache):
         part = self.partial.storage(layer)[0][:bsz, :, :width]  # [B, H, W, r]
         q = queries.reshape(bsz, h, groups, t, d).to(proj.dtype) @ proj[None, :, None]  # [B, H, G, T, r]
         device = queries.device
-        cols = torch.arange(width, device=device)
-        held = torch.tensor(lengths, device=device)[:, None, None]  # [B, 1, 1]
-        start = self._step_positions[:, :, None] - self.window  # [B, T, 1]: where each token's window starts
-        before = (cols < start) & (cols < held)  # [B, T, W]
+        key = (tuple(lengths), h)
+        if self._parts is None or self._parts[0] != key:  # the same for every layer of a step
+            cols = torch.arange(width, device=device)
+            held = torch.tensor(lengths, device=device)[:, None, None]  # [B, 1, 1]
+            start = self._step_positions[:, :, None] - self.window  # [B, T, 1]: where each token's window starts
+            outside = ~((cols < start) & (cols < held))[:, None]  # [B, 1, T, W]: not a candidate
+            window = ((cols >= start) & (cols < held))[:, None].expand(bsz, h, t, width)
+            new = (width + torch.arange(t, device=device)).expand(bsz, h, t)
+            self._parts = (key, cols, outside, window, new, {})
+        _, cols, outside, window, new, masks = self._parts
         if self.pooling == "sum" or groups == 1:
             scores = q.sum(2) @ part.transpose(-1, -2)  # [B, H, T, W]: the group's logits summed
-            scores.masked_fill_(~before[:, None], float("-inf"))
+            scores.masked_fill_(outside, float("-inf"))
         else:  # each query head's softmax over the candidates, the group's largest
             logits = (q.reshape(bsz, h, groups * t, -1) @ part.transpose(-1, -2)).view(bsz, h, groups, t, width)
-            logits.masked_fill_(~before[:, None, None], float("-inf"))
-            scores = logits.softmax(-1).amax(2).masked_fill_(~before[:, None], float("-inf"))
+            logits.masked_fill_(outside[:, :, None], float("-inf"))
+            scores = logits.softmax(-1).amax(2).masked_fill_(outside, float("-inf"))
         top = scores.topk(min(self.selected, width), dim=-1, sorted=False)
-        chosen = torch.zeros(scores.shape, dtype=torch.bool, device=device)
+        chosen = window.clone()  # [B, H, T, W]: the window, then the top candidates
         chosen.scatter_(-1, top.indices, top.values > float("-inf"))
-        chosen |= ((cols >= start) & (cols < held))[:, None]  # [B, H, T, W]: the window
         union = chosen.any(2) if t > 1 else chosen[:, :, 0]  # [B, H, W]
         count = union.sum(-1)  # [B, H]
         u = max(int(count.max()), 1)
@@ -244,7 +251,9 @@ class TieredCache(SharedCache):
             index = index[..., :u]
             real = torch.arange(u, device=device) < count[..., None]  # [B, H, U]
         if t == 1 and real is None:  # each token sees every fetched entry and itself
-            mask = torch.zeros((bsz, 1, 1, u + 1), dtype=self._dtype, device=device)
+            mask = masks.get(u)
+            if mask is None:
+                mask = masks[u] = torch.zeros((bsz, 1, 1, u + 1), dtype=self._dtype, device=device)
         else:
             sees = chosen.gather(-1, index[:, :, None, :].expand(bsz, h, t, u))  # [B, H, T, U]
             if real is not None:
@@ -253,7 +262,6 @@ class TieredCache(SharedCache):
                                  self._visible[:bsz, None].expand(bsz, hq, t, t)], dim=-1)
             mask = torch.zeros(allowed.shape, dtype=self._dtype, device=device)
             mask.masked_fill_(~allowed, torch.finfo(self._dtype).min)
-        new = (width + torch.arange(t, device=device)).expand(bsz, h, t)
         self._plans[layer] = _Plan(torch.cat([index, new], dim=-1), u, mask)
         entry = 2 * d * self._k[layer].element_size()
         self.fetched_bytes += int(count.sum()) * entry

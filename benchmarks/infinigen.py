@@ -106,6 +106,8 @@ def run_one(model, tokenizer, ids, strategies, new: int) -> dict:
         next(steps)
         prefill_s = time.perf_counter() - t0
         sampler.sample()
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)  # what the prefill freed is not the decode's
         sampler.phase = "decode"
         for _ in steps:
             sampler.sample()

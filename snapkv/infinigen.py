@@ -8,13 +8,12 @@ configuration plus the model's *partial projections*; the cache that does the wo
 
 Partial projections ("skewing"). InfiniGen scores the cached keys with a few columns of
 queries and keys rotated so that those columns carry most of the product. Here, per layer
-and KV head, the rotation is the eigenbasis of the covariance of that head's post-RoPE
-queries (its query heads together) over a calibration pass; the ``r = ceil(partial * D)``
-leading eigenvectors are ``P`` [D, r] and the score of key k for query q is
-``(q @ P) . (k @ P)``, which is ``q . k`` restricted to the directions queries use most
-(an orthonormal ``P``: nothing is rescaled). The rotation is applied to the post-RoPE
-vectors, so it holds at every position, as a fixed rotation of the weights could not under
-RoPE. The calibration pass runs the model once over ``calibration_tokens`` seeded random
+and KV head, ``P`` [D, r] (``r = ceil(partial * D)`` orthonormal columns) holds the
+directions along which the head's post-RoPE queries (its query heads together) weigh most
+where its keys differ most, over a calibration pass (:func:`_directions`), and the score of
+key k for query q is ``(q @ P) . (k @ P)``: ``q . k`` restricted to those directions. The
+projection applies to the post-RoPE vectors, so it holds at every position, as a fixed
+rotation of the weights could not under RoPE. The calibration pass runs the model once over ``calibration_tokens`` seeded random
 token ids (no data is read or downloaded) and its result is kept under the user cache
 folder, keyed by the model's config, dtype and a fingerprint of its weights.
 """
@@ -132,21 +131,40 @@ def _calibrate(model: Any, r: int, tokens: int) -> list[torch.Tensor]:
     cache = SharedCache(geo.num_layers)
     with torch.inference_mode(), adapter.capture_window_queries(model, cache, tokens, queries):
         prefill(model, cache, [ids])
-    groups = geo.num_heads // geo.num_kv_heads
     out = []
     for layer in range(geo.num_layers):
-        q = queries[layer][0].float()  # [H_q, N, D]
-        q = q.reshape(geo.num_kv_heads, groups * q.shape[1], geo.head_dim)  # a KV head's query heads together
-        cov = q.transpose(1, 2) @ q  # [H_kv, D, D]
-        _, vectors = torch.linalg.eigh(cov.cpu())  # ascending eigenvalues
-        out.append(vectors.flip(-1)[..., :r].contiguous().to(geo.device))
+        q = queries[layer][0].float().cpu()  # [H_q, N, D]
+        q = q.reshape(geo.num_kv_heads, -1, geo.head_dim)  # a KV head's query heads together
+        k = cache.keys(layer, 0)[0].float().cpu()  # [H_kv, N, D]
+        k = k - k.mean(1, keepdim=True)
+        out.append(_directions(q.transpose(1, 2) @ q / q.shape[1], k.transpose(1, 2) @ k / k.shape[1], r)
+                   .to(geo.device))
     return out
+
+
+def _directions(cq: torch.Tensor, ck: torch.Tensor, r: int) -> torch.Tensor:
+    """P [H, D, r], orthonormal columns, for queries' second moments ``cq`` and keys'
+    covariance ``ck`` (each [H, D, D]).
+
+    Which keys a query ranks first depends on how ``q . k`` varies from key to key; with
+    ``R = I - P P^T`` the part of it the partial score misses has variance
+    ``E_q Var_k(q^T R k) = tr(R Cq R Ck)``. The directions kept are ``S u_i`` (orthonormalised),
+    ``S = Cq^(1/2)`` and ``u_i`` the leading eigenvectors of ``S Ck S``: those along which the
+    queries' weight times the keys' spread is largest (the queries' own principal directions
+    alone ignore where keys differ; on the default model they lose the pass key of
+    ``benchmarks/infinigen.py``'s follow-up question, these keep it).
+    """
+    e, v = torch.linalg.eigh(cq)
+    s = v @ torch.diag_embed(e.clamp(min=0).sqrt()) @ v.transpose(1, 2)
+    _, u = torch.linalg.eigh(s @ ck @ s)  # ascending eigenvalues
+    p, _ = torch.linalg.qr(s @ u.flip(-1)[..., :r])
+    return p.contiguous()
 
 
 def _fingerprint(model: Any, r: int, tokens: int) -> str:
     cfg = model.config.to_json_string(use_diff=False) if hasattr(model.config, "to_json_string") else repr(model.config)
     h = hashlib.sha256(cfg.encode())
-    h.update(f"{r}/{tokens}/{_CALIBRATION_SEED}/{adapter.geometry(model).dtype}".encode())
+    h.update(f"qk/{r}/{tokens}/{_CALIBRATION_SEED}/{adapter.geometry(model).dtype}".encode())
     for _, p in list(model.named_parameters())[:: max(1, len(list(model.parameters())) // 8)]:
         h.update(p.detach().flatten()[:4096].float().cpu().numpy().tobytes())
     return h.hexdigest()[:24]
