@@ -902,7 +902,12 @@ class SharedCache(TransformersCache):
                     merged[start : start + add, :, : ov.shape[2]] = ov[:add]
                 self._valid[layer] = merged
             self._len[layer] = self._len[layer] + other._len[layer]
+            self._extended(layer, other)
         self.logical_lengths = self.logical_lengths + other.logical_lengths
+
+    def _extended(self, layer: int, other: "SharedCache") -> None:
+        """Called by :meth:`extend` once a layer's rows of ``other`` are in (a subclass gives
+        back what the copy touched: :class:`accel.tier.TieredCache`)."""
 
     def remove(self, row: int) -> None:
         """Remove one row; the last row moves into its slot (so row indices above change:

@@ -17,11 +17,13 @@ row) goes like this, for each layer l:
 2. :meth:`plan` scores every committed entry of the layer with ``(q @ P) . (k @ P)``, summed
    over the query heads of the KV head, and picks for each row, KV head and new token the
    top ``selected`` entries before the token's window and every committed entry in its
-   window (its last ``window`` positions); the union over the step's tokens is *fetched*
-   (gathered from the slow tier into a fast buffer), and the layer's mask lets each token
-   see exactly its own choice, plus its ancestors in the step (the draft tree);
+   window (its last ``window`` positions); the union over the step's tokens is what the
+   layer will read, and its mask lets each token see exactly its own choice, plus its
+   ancestors in the step (the draft tree);
 3. when layer l stores its new entries, they go to the slow tier (and their partial keys to
-   memory), and attention gets the fast buffer with the new entries behind it.
+   memory), and the union and the new entries are *fetched*: copied out of the slow tier into
+   the buffer attention reads (one ``index_select``; on a CPU there is no transfer for an
+   earlier fetch to overlap), after which the layer's pages of a file tier are given back.
 
 A token's choice depends only on its own predicted query and the entries committed before
 its window, which are the same whether it is verified in a tree or decoded alone: greedy
@@ -320,7 +322,10 @@ class TieredCache(SharedCache):
             raise ValueError("extend() of a tiered cache needs the rows of another tiered cache")
         super().extend(other)
         self.partial.extend(other.partial)
-        self.release()
+
+    def _extended(self, layer: int, other: SharedCache) -> None:
+        self.release(layer)  # the copy touched every page of both: one layer's at a time stays resident
+        other.release(layer)
 
     def remove(self, row: int) -> None:
         super().remove(row)
