@@ -3,19 +3,19 @@
 
 :class:`TieredCache` is a :class:`~accel.cache.SharedCache` that keeps every entry (nothing
 is dropped, so a later question may still read any part of the prompt) in buffers of the
-slow tier: memory-mapped files whose pages the process gives back after every step (so
-its resident memory holds what a step reads, not the cache), or ordinary tensors. Beside
-them it keeps, in memory, the *partial keys* of every entry: each key projected onto the
-``r`` directions of its KV head that carry most of the queries (``k @ P``, ``P`` [D, r] from
-:meth:`~accel.strategy.KVTier.projections`), ``r / D`` of the keys' bytes.
+slow tier: memory-mapped files whose pages the process gives back layer by layer (so its
+resident memory holds what a layer reads, not the cache), or ordinary tensors. Beside them it
+keeps, in memory, the *partial keys* of every entry: each key projected onto ``r`` directions
+of its KV head (``k @ P``, ``P`` [D, r] from :meth:`~accel.strategy.KVTier.projections`),
+``r / D`` of the keys' bytes.
 
 A decode step (or the verify pass of a draft tree, up to ``step_tokens()`` new tokens per
 row) goes like this, for each layer l:
 
 1. before layer l - 1 attends, :func:`accel.adapter.predict_queries` hands :meth:`plan` the
    queries layer l would compute from layer l - 1's attention input (layer 0: its own);
-2. :meth:`plan` scores every committed entry of the layer with ``(q @ P) . (k @ P)``, summed
-   over the query heads of the KV head, and picks for each row, KV head and new token the
+2. :meth:`plan` scores every committed entry of the layer with ``(q @ P) . (k @ P)``, the
+   query heads of a KV head combined (:meth:`~accel.strategy.KVTier.head_pooling`), and picks for each row, KV head and new token the
    top ``selected`` entries before the token's window and every committed entry in its
    window (its last ``window`` positions); the union over the step's tokens is what the
    layer will read, and its mask lets each token see exactly its own choice, plus its
@@ -119,7 +119,6 @@ class TieredCache(SharedCache):
         self._dtype = torch.float32
         self.fetched_bytes = 0
         self.full_bytes = 0
-        self.planned_steps = 0
 
     # ------------------------------------------------------------------ the slow tier
 
@@ -199,8 +198,6 @@ class TieredCache(SharedCache):
         self._dtype = dtype
         self._sparse = (self.predicting and self._prefill is None and not any(self._pending)
                         and t <= self.tier.step_tokens() and self.committed_length(0) > self.selected + self.window)
-        if self._sparse:
-            self.planned_steps += 1
         return mask
 
     def plan(self, layer: int, queries: torch.Tensor) -> None:
