@@ -524,12 +524,57 @@ class SharedCache(TransformersCache):
             self._len[layer] = list(lengths)
         self.logical_lengths = list(lengths)
 
-    def _store_prompt(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def load_prompts(self, other: "SharedCache", select: RowSelector | None = None,
+                     rows: Sequence[int] | None = None) -> None:
+        """Start this empty cache with the rows of ``other``, which holds their whole prompts,
+        uncompressed and committed, on full-attention layers only (an uncompressed prefill):
+        each layer's rows are offered to ``select`` as :meth:`begin_prefill`'s would be, and
+        what it keeps (all, without one) is copied here. ``rows``: row b here is ``other``'s
+        row ``rows[b]`` (repeats allowed; default: every row in order). ``other`` is left as
+        it is."""
+        if self.batch_size or self._prefill is not None:
+            raise RuntimeError("load_prompts() on a cache that already holds rows")
+        held = list(other.logical_lengths)
+        source = list(range(len(held))) if rows is None else [int(r) for r in rows]
+        if any(not 0 <= r < len(held) for r in source):
+            raise ValueError(f"load_prompts(): rows {source} of a cache of {len(held)} rows")
+        lengths = [held[r] for r in source]
+        if not lengths or any(other._pending) or other.packed or other._prefill is not None:
+            raise RuntimeError("load_prompts() from a cache without rows, with uncommitted entries or quantized groups")
+        if any(w is not None for w in self.windows) or any(w is not None for w in other.windows):
+            raise ValueError("load_prompts() on a cache with sliding windows")
+        if other.num_layers != self.num_layers:
+            raise ValueError(f"load_prompts(): the other cache has {other.num_layers} layers, this one {self.num_layers}")
+        self._prefill = _Prefill(lengths, select)
+        self.logical_lengths = [0] * len(lengths)
+        try:
+            for layer in range(self.num_layers):
+                if other._len[layer] != held or other._valid[layer] is not None or other._k[layer] is None:
+                    raise RuntimeError(f"load_prompts(): layer {layer} of the other cache does not hold its rows' "
+                                       "whole prompts")
+                n = max(held)
+                self._store_prompt(layer, other._k[layer][: len(held), :, :n], other._v[layer][: len(held), :, :n],
+                                   source)
+        except BaseException:
+            n = self.num_layers  # nothing half-loaded stays
+            self._k, self._v, self._valid = [None] * n, [None] * n, [None] * n
+            self._len = [[] for _ in range(n)]
+            self.logical_lengths = []
+            raise
+        finally:
+            self._prefill = None
+        self.logical_lengths = lengths
+
+    def _store_prompt(self, layer: int, keys: torch.Tensor, values: torch.Tensor,
+                      source: Sequence[int] | None = None) -> None:
+        """Store one layer's prompt entries (``keys``/``values`` [B', H_kv, n, D]; row b's are
+        row ``source[b]`` of them, default b), each row offered to the prefill's selector."""
         prefill = self._prefill
         window = self.windows[layer]
         kept: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
         for row, n in enumerate(prefill.lengths):
-            k, v = keys[row : row + 1, :, :n], values[row : row + 1, :, :n]
+            src = row if source is None else source[row]
+            k, v = keys[src : src + 1, :, :n], values[src : src + 1, :, :n]
             positions = None
             if window is not None:
                 start = max(0, n - window)

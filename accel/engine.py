@@ -481,7 +481,8 @@ class Batch:
             with adapter.capture_layer_states(self.model, fresh, layers, states):
                 hidden = yield from prefill_steps(self.model, fresh, [r.prompt for r in whole],
                                                   [r.plan.compressor for r in whole], captured, selected,
-                                                  chunk=self.prefill_chunk, ranks=self.prefill_ranks)
+                                                  chunk=self.prefill_chunk, ranks=self.prefill_ranks,
+                                                  reuse=not layers)
             _hand_features(whole, states, [(b, torch.arange(int(r.prompt.numel()))) for b, r in enumerate(whole)])
             for b, r in enumerate(whole):
                 if r.prompt_logprobs is not None:

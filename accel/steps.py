@@ -7,7 +7,8 @@ batch of requests; :mod:`accel.kernels.invariance` runs them to probe this machi
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Generator, Protocol, Sequence
+import contextvars
+from typing import Callable, Generator, Iterator, Protocol, Sequence
 
 import torch
 
@@ -19,7 +20,7 @@ from .calibration.cost_model import round_up
 from .strategy import PromptCompressor, Strategy
 from .tree import DraftTree
 
-__all__ = ["Warp", "prefill", "prefill_steps", "prefill_rest", "prefill_rest_steps", "exhaust", "forward_tokens",
+__all__ = ["Warp", "PrefillReuse", "KeptPrefill", "reusing_prefills", "prefill", "prefill_steps", "prefill_rest", "prefill_rest_steps", "exhaust", "forward_tokens",
            "verify", "verify_logits", "accept", "commit", "RowLookahead", "chain_anchors", "lookahead_columns"]
 
 #: A prefill run forward by forward: yields between forwards, returns the hidden states [B, H].
@@ -61,7 +62,7 @@ def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[to
                   compressors: PromptCompressor | None | Sequence[PromptCompressor | None] = None,
                   queries: dict[int, torch.Tensor] | None = None,
                   kept: dict[tuple[int, int], torch.Tensor] | None = None, chunk: int | None = None,
-                  ranks: RankedPrefill | None = None) -> PrefillSteps:
+                  ranks: RankedPrefill | None = None, reuse: bool = False) -> PrefillSteps:
     """Run B prompts through the model, filling (and compressing) an empty cache.
 
     prompts: LongTensor [1, n] / [n], or a list of B LongTensors [n_b] (right-padded
@@ -83,6 +84,9 @@ def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[to
         :mod:`accel.runahead`: chunk r on rank r, on top of the entries rank r - 1 hands on
         layer by layer, the last chunk here); compressors then select as after a chunked
         prefill, on the whole prompt's entries. ``chunk`` does not apply.
+    reuse: inside :func:`reusing_prefills`, start from the kept uncompressed prefill of the
+        same prompts (or make and keep one), each row's compressor then selecting from it as
+        after a chunked prefill (see :class:`PrefillReuse`); outside it, no effect.
     A generator: it yields after each chunk but the last (so that a caller may run other
     forwards in between, :class:`accel.serving.Engine`), and returns the final hidden state at
     each row's last prompt position, [B, H] (:func:`prefill` runs it through).
@@ -111,6 +115,12 @@ def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[to
         return sel.indices, sel.valid
 
     compress = select if any(c is not None for c in compressors) else None
+    memo = _REUSE.get() if reuse and ranks is None else None
+    if memo is not None and memo.applies(model, cache, window):
+        found = memo.find(model, rows, chunk)
+        if found is None:
+            found = (yield from memo.make(model, rows, chunk)), None
+        return found[0].start(cache, compress, window, queries, found[1])
     if ranks is not None:
         hidden = ranks.prefill(cache, rows, window, queries)
         if compress is not None:
@@ -135,6 +145,186 @@ def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[to
     cache.end_prefill()
     last = torch.tensor(lengths, device=device) - 1
     return hidden[torch.arange(len(rows), device=device), last]
+
+
+def _prefill_whole(model, cache: SharedCache, rows: list[torch.Tensor], chunk: int | None, window: int,
+                   queries: dict[int, torch.Tensor]) -> PrefillSteps:
+    """Fill the empty ``cache`` with ``rows``' whole prompts, uncompressed (in ``chunk``-token
+    forwards, or one), ``queries`` with each layer's last ``window`` prompt queries
+    [B, H_q, window, D]; returns the hidden states at each row's last prompt position [B, H]."""
+    lengths = [int(r.numel()) for r in rows]
+    n, device = max(lengths), rows[0].device
+    if chunk is not None and chunk < n:
+        return (yield from _prefill_chunks(model, cache, rows, chunk, window, queries))
+    ids = torch.zeros((len(rows), n), dtype=torch.long, device=device)
+    for b, r in enumerate(rows):
+        ids[b, : r.numel()] = r
+    positions = torch.arange(n, device=device).unsqueeze(0).expand(len(rows), n)
+    mask = ends = None
+    if min(lengths) != n:
+        mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
+        ends = torch.tensor(lengths, device=device)
+    cache.begin_prefill(lengths)
+    with adapter.capture_window_queries(model, cache, window, queries, ends):
+        hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
+    cache.end_prefill()
+    return hidden[torch.arange(len(rows), device=device), torch.tensor(lengths, device=device) - 1]
+
+
+class KeptPrefill:
+    """One uncompressed prefill of some prompts, kept to start later prefills of the same
+    prompts from (see :class:`PrefillReuse`).
+
+    Attributes: ``rows`` (the prompts, LongTensors [n_b]), ``chunk`` (the prefill's chunk,
+    None: one forward), ``cache`` (a :class:`SharedCache` holding every row's whole prompt),
+    ``queries`` (per layer the last ``window`` prompt queries [B, H_q, window, D]),
+    ``hidden`` (the hidden states at each row's last prompt position [B, H]), ``seconds``
+    (how long the prefill took), ``model`` (the model it ran on).
+    """
+
+    def __init__(self, model, rows: list[torch.Tensor], chunk: int | None, window: int, cache: SharedCache,
+                 queries: dict[int, torch.Tensor], hidden: torch.Tensor, seconds: float):
+        self.model, self.rows, self.chunk, self.window = model, rows, chunk, window
+        self.cache, self.queries, self.hidden, self.seconds = cache, queries, hidden, seconds
+
+    def matches(self, model, rows: list[torch.Tensor], chunk: int | None) -> list[int] | None:
+        """Where ``rows`` on ``model`` in ``chunk``-token forwards are in this prefill: per row
+        the index of the kept row with the same prompt (a prompt may repeat: a batch of one
+        document), or None if one is not here."""
+        if model is not self.model or chunk != self.chunk:
+            return None
+        where = []
+        for r in rows:
+            i = next((i for i, k in enumerate(self.rows) if k.shape == r.shape and torch.equal(k, r)), None)
+            if i is None:
+                return None
+            where.append(i)
+        return where
+
+    def start(self, cache: SharedCache, compress, window: int, queries: dict[int, torch.Tensor],
+              rows: list[int] | None = None) -> torch.Tensor:
+        """Fill the empty ``cache`` from this prefill (row b from kept row ``rows[b]``, default
+        b), each full-attention layer's rows offered to ``compress`` (a
+        :meth:`SharedCache.begin_prefill` selector, or None to keep all), which reads
+        ``queries``: here given each layer's last ``window`` prompt queries. Returns the last
+        prompt positions' hidden states [B, H] (a copy); this prefill is left as it was."""
+        index = torch.tensor(list(range(len(self.rows))) if rows is None else rows, device=self.hidden.device)
+        for layer, q in self.queries.items():
+            if window:
+                queries[layer] = q[index, :, self.window - window :]
+        cache.load_prompts(self.cache, compress, rows)
+        return self.hidden[index]
+
+
+class PrefillReuse:
+    """The uncompressed prefill of the latest prompts, kept so that later calls on the same
+    prompts (other compressors, drafters or settings over one long document) start from it
+    instead of running the model over the prompt again.
+
+    Active inside :func:`reusing_prefills`, for the prompt prefills of
+    :class:`accel.engine.Batch` (``accel.generate``, ``accel.stream``): a prefill whose
+    model and ``prefill_chunk`` are the kept one's and whose every prompt is among the kept
+    prompts (in any order, repeats allowed: a batch of rows over one document) loads their
+    entries (each row's
+    compressor selecting from them as after a chunked prefill: the same scores within float
+    tolerance, see :func:`prefill_steps`), takes its observation-window queries from the
+    kept ones, and its last hidden states. One that does not runs uncompressed, capturing
+    ``window`` queries per layer, and becomes the kept one (the previous one is dropped). Not
+    used (the prefill runs as without it) for models with sliding-window layers, tiered
+    caches (InfiniGen), compressors observing more than ``window`` queries, and rows whose
+    drafters read prompt hidden states or that ask for prompt log-probabilities (their
+    prefill is not kept whole).
+
+    The kept prefill holds every prompt entry (the full cache) until it is replaced or the
+    :func:`reusing_prefills` block ends; a call starting from it reports the seconds of its
+    own copy and selection as ``prefill_s``, not those of the kept prefill (``kept.seconds``).
+
+    Args:
+        window: observation-window queries kept per layer (the largest compressor window
+            that may start from the kept prefill).
+        match_chunk: a prefill matches the kept one only with the same ``prefill_chunk``
+            (False: whatever its chunk; a chunked prefill's cache is one forward's within
+            float tolerance, so a benchmark may compare chunk settings on one prefill).
+    """
+
+    def __init__(self, window: int = 64, match_chunk: bool = True):
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"window must be an integer >= 0 (observation-window queries kept), got {window!r}")
+        self.window = window
+        self.match_chunk = match_chunk
+        self.kept: KeptPrefill | None = None
+        self.hits = 0
+        self.misses = 0
+
+    def applies(self, model, cache: SharedCache, window: int) -> bool:
+        """Whether a prefill of ``model`` into ``cache`` needing ``window`` queries may use this."""
+        if type(cache) is not SharedCache or window > self.window:
+            return False
+        if any(w is not None for w in adapter.layer_windows(model)):
+            return False
+        try:
+            adapter.check_window_queries(model)
+        except ValueError:
+            return False
+        return True
+
+    def find(self, model, rows: list[torch.Tensor], chunk: int | None) -> tuple[KeptPrefill, list[int]] | None:
+        """(The kept prefill, where each of ``rows`` is in it) if it holds every one of
+        ``rows`` on ``model`` with ``chunk`` (a hit), else None."""
+        if self.kept is None:
+            return None
+        where = self.kept.matches(model, rows, chunk if self.match_chunk else self.kept.chunk)
+        if where is None:
+            return None
+        self.hits += 1
+        return self.kept, where
+
+    def make(self, model, rows: list[torch.Tensor], chunk: int | None) -> PrefillSteps:
+        """Run and keep the uncompressed prefill of ``rows`` (a generator: yields between
+        chunks, returns the :class:`KeptPrefill`)."""
+        import time
+
+        self.misses += 1
+        self.kept = None  # the previous one's memory goes before the new prefill's
+        cache = SharedCache(adapter.geometry(model).num_layers, adapter.layer_windows(model))
+        queries: dict[int, torch.Tensor] = {}
+        t0 = time.perf_counter()
+        hidden = yield from _prefill_whole(model, cache, rows, chunk, self.window, queries)
+        self.kept = KeptPrefill(model, [r.clone() for r in rows], chunk, self.window, cache, queries, hidden,
+                                time.perf_counter() - t0)
+        return self.kept
+
+    def prefill(self, model, prompts: torch.Tensor | Sequence[torch.Tensor], chunk: int | None = None) -> KeptPrefill:
+        """Run and keep the uncompressed prefill of ``prompts`` now (LongTensor [1, n] / [n]
+        or a list of B LongTensors [n_b]), so that the next calls on them start from it."""
+        with torch.inference_mode():
+            return exhaust(self.make(model, _prompt_rows(prompts), chunk))
+
+    def clear(self) -> None:
+        """Drop the kept prefill."""
+        self.kept = None
+
+
+_REUSE: contextvars.ContextVar[PrefillReuse | None] = contextvars.ContextVar("accel_prefill_reuse", default=None)
+
+
+@contextlib.contextmanager
+def reusing_prefills(reuse: PrefillReuse | None = None) -> Iterator[PrefillReuse]:
+    """While active (in this thread or task), prompt prefills start from the kept uncompressed
+    prefill of the same prompts, or keep theirs (see :class:`PrefillReuse`); yields the
+    :class:`PrefillReuse` (``reuse``, or a new one keeping 64 queries per layer)::
+
+        with reusing_prefills() as reuse:
+            full = accel.generate(model, ids, max_new_tokens=32)  # prefills and keeps it
+            snap = accel.generate(model, ids, strategies=[SnapKV(budget=1024)], max_new_tokens=32)
+        assert reuse.hits == 1
+    """
+    reuse = PrefillReuse() if reuse is None else reuse
+    token = _REUSE.set(reuse)
+    try:
+        yield reuse
+    finally:
+        _REUSE.reset(token)
 
 
 def _prefill_chunks(model, cache: SharedCache, rows: list[torch.Tensor], chunk: int, window: int,

@@ -517,3 +517,93 @@ def test_warm_up_prompts_are_cut_to_their_last_tokens():
     assert long.prompt_tokens == WARMUP_PROMPT + 50  # the item itself is untouched
     short = TaskItem(task="t", kind="chat", item_id="y", input_ids=torch.arange(10).unsqueeze(0))
     assert _warmup_item(short) is short
+
+
+SHARED = {
+    "tasks": [{"kind": "needle", "lengths": [500], "depths": [0.2, 0.8]}],
+    "baselines": [],
+    "reference": "full",
+    "runs": {"full": [], "snapkv": ["snapkv:budget=64,window=8,kernel=3"],
+             "snapkv_pl": ["snapkv:budget=96,window=8,kernel=3", "prompt_lookup:num_tokens=4"]},
+    "generation": {"max_new_tokens": 8, "prefill_chunk": 128},
+    "warmup_tokens": 2,
+    "threads": 1,
+}
+
+
+def test_shared_prefill_rows_match_runs_that_prefill_on_their_own(tmp_path, monkeypatch):
+    model = make_tiny_model(max_position_embeddings=2048)
+    alone = _rows(run_experiment(load_config(write_yaml(tmp_path, SHARED)), tmp_path / "alone", model=model,
+                                 tokenizer=CharTokenizer(), quiet=True))
+    shared_spec = dict(SHARED, generation=dict(SHARED["generation"], share_prefill=True, one_forward_items=1))
+    started = _count_starts(monkeypatch)
+    out = run_experiment(load_config(write_yaml(tmp_path, shared_spec)), tmp_path / "shared", model=model,
+                         tokenizer=CharTokenizer(), quiet=True)
+    rows = _rows(out)
+    prefills = [r for r in rows if r.get("mode") == "prefill"]
+    assert [(r["item"].endswith("/one_forward"), r["prefill_chunk"]) for r in prefills] == \
+        [(False, 128), (True, None), (False, 128)]
+    for r in prefills:
+        assert r["error"] is None and r["prefill_s"] > 0 and r["peak_rss_mib"] >= r["rss_before_mib"] > 0
+    runs = {(r["config"], r["item"]): r for r in rows if r.get("mode", "single") == "single"}
+    assert len(runs) == 3 * 3
+    for r in alone:
+        mine = runs[(r["config"], r["item"])]
+        assert mine["text"] == r["text"] and mine["kv_bytes_kept"] == r["kv_bytes_kept"], r["config"]
+        again = runs[(r["config"], r["item"] + "/one_forward")] if r["item"] == prefills[0]["item"] else None
+        if again is not None:  # the same answer and cache from the one-forward prefill
+            assert again["text"] == r["text"] and again["kv_bytes_kept"] == r["kv_bytes_kept"]
+    assert all(r["exact"] for r in runs.values() if r["config"] == "full")
+    assert len(started) == 3 + 3 * 3  # the warm-ups (on one cut prompt), then every timed run
+    summary = (out / "summary.md").read_text()
+    assert "## Shared prefills" in summary and "chunks of 128" in summary and "one forward" in summary
+
+
+def test_shared_prefill_errors_name_the_field(tmp_path):
+    with pytest.raises(ConfigError, match="generation.share_prefill"):
+        load_config(write_yaml(tmp_path, dict(SHARED, generation={"share_prefill": True}, arrivals={"requests": 2})))
+    with pytest.raises(ConfigError, match="generation.one_forward_items"):
+        load_config(write_yaml(tmp_path, dict(SHARED, generation={"one_forward_items": 1})))
+    exp = load_config(write_yaml(tmp_path, dict(SHARED, generation={"share_prefill": True})))
+    with pytest.raises(ValueError, match="share_prefill"):
+        run_experiment(exp, tmp_path / "ray", model=make_tiny_model(), tokenizer=CharTokenizer(), quiet=True, ray=True)
+    assert not (tmp_path / "ray").exists()
+
+
+def _count_starts(monkeypatch) -> list[int]:
+    """Record the rows of every call that starts from a kept prefill."""
+    from accel.steps import KeptPrefill
+
+    started: list[int] = []
+    start = KeptPrefill.start
+
+    def counted(self, cache, compress, window, queries, rows=None):
+        started.append(len(rows) if rows is not None else len(self.rows))
+        return start(self, cache, compress, window, queries, rows)
+
+    monkeypatch.setattr(KeptPrefill, "start", counted)
+    return started
+
+
+def test_shared_prefill_in_batches_of_one_document(tmp_path, monkeypatch):
+    spec = dict(SHARED, tasks=[{"kind": "needle", "lengths": [500], "depths": [0.5]}], batch_sizes=[1, 3],
+                generation={"max_new_tokens": 8})
+    model = make_tiny_model(max_position_embeddings=2048)
+    alone = _rows(run_experiment(load_config(write_yaml(tmp_path, spec)), tmp_path / "alone", model=model,
+                                 tokenizer=CharTokenizer(), quiet=True))
+    spec["generation"] = {"max_new_tokens": 8, "share_prefill": True}
+    started = _count_starts(monkeypatch)
+    rows = _rows(run_experiment(load_config(write_yaml(tmp_path, spec)), tmp_path / "shared", model=model,
+                                tokenizer=CharTokenizer(), quiet=True))
+    prefill, again = [r for r in rows if r.get("mode") == "prefill"]
+    assert prefill["error"] is None and prefill["batch_size"] == 1 and prefill["prefill_s"] > 0
+    assert again["reused"] and again["batch_size"] == 3 and again["prefill_s"] == prefill["prefill_s"]
+    shared = {r["config"]: r for r in rows if r.get("mode") == "batch" and r["batch_size"] == 3}
+    assert set(shared) == {"full", "snapkv", "snapkv_pl"}
+    for r in [r for r in alone if r["batch_size"] == 3]:
+        mine = shared[r["config"]]
+        assert [p["text"] for p in mine["rows"]] == [p["text"] for p in r["rows"]]
+        assert mine["kv_bytes_kept"] == r["kv_bytes_kept"] and mine["exact_rows"] == r["exact_rows"]
+    # after the warm-ups (batches of 2 on a cut prompt), every configuration's batch of 1, then
+    # of 3, started from the one-row prefill
+    assert started[3:] == [1, 1, 1, 3, 3, 3]

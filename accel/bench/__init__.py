@@ -61,6 +61,8 @@ def run_experiment(
     import torch
 
     experiment = config if isinstance(config, Experiment) else load_config(config)
+    if ray and experiment.generation.share_prefill:
+        raise ValueError("generation.share_prefill: shared prefills run in this process's grid, not over --ray")
     out = Path(out if out is not None else (experiment.output or Path("runs") / (experiment.name or "bench")))
     threads = torch.get_num_threads()
     if experiment.threads is not None:

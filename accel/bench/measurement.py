@@ -171,6 +171,23 @@ class ChunkTimer:
 
 
 
+def resident_mib() -> float | None:
+    """This process's resident memory now (MiB): ``VmRSS`` on Linux, else ``psutil``'s."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
+    except Exception:
+        return None
+
+
 class PeakMemory:
     """Peak resident memory (MiB) of this process during a ``with`` block.
 

@@ -22,6 +22,7 @@ the same requests at the same times, rotated by the repeat; one results row each
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from contextlib import contextmanager
@@ -33,13 +34,15 @@ import torch
 
 from .. import adapter
 from .configurations import Configuration
-from .measurement import BatchMeasurement, Measurement, PeakMemory, error_line, percentile
+from ..steps import PrefillReuse, reusing_prefills
+from .measurement import BatchMeasurement, Measurement, PeakMemory, error_line, percentile, resident_mib
 from .schema import Arrivals, Experiment
 from .tasks import TaskItem, score
 
 __all__ = [
     "run_grid",
     "run_point",
+    "shared_prefill",
     "warm_up",
     "schedule",
     "run_batched_grid",
@@ -104,18 +107,69 @@ def run_grid(
     device = adapter.geometry(model).device
     runnable = [c for c in configs if c.unavailable is None]
     warm = runnable if experiment.warmup_tokens > 0 and items else []
-    total = len(warm) + experiment.repeats * len(items) * len(runnable)
+    gen = experiment.generation
+    again = min(gen.one_forward_items, len(items)) if gen.share_prefill else 0
+    passes = (len(items) + again) * (len(runnable) + gen.share_prefill)
+    total = len(warm) + experiment.repeats * passes
     rows: list[dict[str, Any]] = []
+    # shared prefills serve every chunk setting: a chunked prefill's cache is one forward's
+    reuse = PrefillReuse(match_chunk=False) if gen.share_prefill else None
 
-    with torch.inference_mode(), _progress(total, quiet) as step, open(results_path, "w", encoding="utf-8") as out:
+    with (torch.inference_mode(), _progress(total, quiet) as step, open(results_path, "w", encoding="utf-8") as out,
+          reusing_prefills(reuse) if reuse is not None else contextlib.nullcontext()):
         warm_up(experiment, configs, items, step)
         for r, i, order in schedule(configs, items, experiment.repeats):
-            group = run_point(experiment, configs, items[i], r, order, tokenizer, device, step)
-            for row in group:
-                out.write(json.dumps(row) + "\n")
-            rows += group
-            out.flush()
+            runs = [(items[i], gen.prefill_chunk)]
+            if i < again:
+                runs.append((replace(items[i], item_id=f"{items[i].item_id}/one_forward"), None))
+            for item, chunk in runs:
+                group = []
+                if reuse is not None:
+                    group.append(shared_prefill(experiment, model, item, chunk, r, reuse, step))
+                group += run_point(experiment, configs, item, r, order, tokenizer, device, step)
+                for row in group:
+                    out.write(json.dumps(row) + "\n")
+                rows += group
+                out.flush()
     return rows
+
+
+def shared_prefill(experiment: Experiment, model: Any, items: TaskItem | list[TaskItem], chunk: int | None,
+                   repeat: int, reuse: PrefillReuse, step: Callable[[str, int], None] = lambda desc, advance: None
+                   ) -> dict[str, Any]:
+    """Prefill the prompts of ``items`` (each distinct one once, together) uncompressed into
+    ``reuse``: what the accel configurations of the item (or batch) then start from. Returns
+    its results row (``mode: prefill``): seconds, the RSS before and at its peak, each
+    prompt's greedy first token. Where ``reuse`` already holds every one of the prompts (an
+    earlier group of another batch size, an earlier repeat), nothing reruns: the row is
+    marked ``reused``, with the seconds of the prefill it reuses."""
+    items = [items] if isinstance(items, TaskItem) else items
+    unique = list({i.item_id: i for i in items}.values())
+    name = "+".join(i.item_id for i in unique)
+    desc = f"r{repeat} {items[0].task}/{name} prefill" + (f" (chunks of {chunk})" if chunk else " (one forward)")
+    step(desc, 0)
+    row = {"experiment": experiment.name, "mode": "prefill", "task": items[0].task, "kind": items[0].kind,
+           "item": name, "batch_size": len(items), "repeat": repeat, "meta": unique[0].meta if len(unique) == 1 else None,
+           "prompt_tokens": sum(i.prompt_tokens for i in unique), "prefill_chunk": chunk, "prefill_s": None,
+           "rss_before_mib": None, "peak_rss_mib": None, "first_token": None, "reused": False, "error": None}
+    device = adapter.geometry(model).device
+    prompts = [i.input_ids.to(device).reshape(-1) for i in unique]
+    if reuse.kept is not None and reuse.kept.matches(model, prompts, chunk):
+        # an earlier group's (another batch size, another repeat): its figures stand, nothing reruns
+        row.update(prefill_s=reuse.kept.seconds, reused=True)
+        step(desc, 1)
+        return row
+    reuse.clear()
+    try:
+        row["rss_before_mib"] = resident_mib()
+        with PeakMemory() as mem:
+            kept = reuse.prefill(model, prompts, chunk)
+        first = adapter.output_logits(model, kept.hidden).argmax(dim=-1).tolist()
+        row.update(prefill_s=kept.seconds, peak_rss_mib=mem.peak_mib, first_token=first[0] if len(first) == 1 else first)
+    except Exception as err:  # the configurations then prefill on their own, as without sharing
+        row["error"] = error_line(err)
+    step(desc, 1)
+    return row
 
 
 def warm_up(experiment: Experiment, configs: list[Configuration], items: list[TaskItem],
@@ -349,11 +403,13 @@ def run_batched_grid(
     groups = make_groups(items, experiment.batch_sizes)
     takers = {b: [c for c in configs if c.takes(b)] for b in experiment.batch_sizes}
     warm = [c for c in configs if c.takes(1)] if experiment.warmup_tokens > 0 and items else []
-    total = len(warm) + experiment.repeats * sum(len(takers[g.batch_size]) for g in groups)
+    total = len(warm) + experiment.repeats * sum(len(takers[g.batch_size]) + gen.share_prefill for g in groups)
     first = [i for i in items if i.task == items[0].task] if items else []
     rows: list[dict[str, Any]] = []
+    reuse = PrefillReuse(match_chunk=False) if gen.share_prefill else None
 
-    with torch.inference_mode(), _progress(total, quiet) as step, open(results_path, "a", encoding="utf-8") as out:
+    with (torch.inference_mode(), _progress(total, quiet) as step, open(results_path, "a", encoding="utf-8") as out,
+          reusing_prefills(reuse) if reuse is not None else contextlib.nullcontext()):
         for c in warm:  # a batch of two where it can, so batched code paths are warm too
             step(f"warm-up {c.name}", 0)
             try:
@@ -367,6 +423,11 @@ def run_batched_grid(
                 runnable = takers[g.batch_size]
                 k = (r + gi) % len(runnable) if runnable else 0
                 group: dict[str, dict[str, Any]] = {}
+                if reuse is not None:
+                    prefill_row = shared_prefill(experiment, model, g.items, gen.prefill_chunk, r, reuse, step)
+                    prefill_row["group"] = g.index
+                    out.write(json.dumps(prefill_row) + "\n")
+                    rows.append(prefill_row)
                 for c in runnable[k:] + runnable[:k]:
                     desc = f"r{r} {g.task} B={g.batch_size} #{g.index} {c.name}"
                     step(desc, 0)

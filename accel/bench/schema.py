@@ -243,6 +243,18 @@ class Generation(_Model):
     prefill_chunk: int | None = Field(None, gt=0)
     """accel runs: prompt tokens per prefill forward (None: the whole prompt in one), so
     activation memory follows the chunk; the output is that of one forward (``accel.steps.prefill``)."""
+    share_prefill: bool = False
+    """accel runs start from one uncompressed prefill of each item's prompt (or a batch's
+    distinct prompts: ``accel.steps.reusing_prefills``), made before the item's (group's)
+    configurations run and reported in a row of its own (``mode: prefill``: seconds, peak RSS), each configuration's
+    compressor selecting from it as after a chunked prefill: a grid of compressors and
+    drafters over a long prompt costs one prefill per item instead of one per configuration.
+    The configurations' ``prefill_s`` is then their own copy and selection only."""
+    one_forward_items: int = Field(0, ge=0)
+    """With ``share_prefill`` and ``prefill_chunk``: the first this many items are also
+    prefilled in one forward (its own prefill row), and every accel configuration runs on them
+    again from that prefill, as item ``<id>/one_forward``: the chunk's time, memory and
+    answers beside one forward's."""
     system: str | None = None
     """Optional system message for the chat template (default: the template's own)."""
     temperature: float = Field(0.0, ge=0)
@@ -377,6 +389,14 @@ class Experiment(_Model):
         if self.generation.temperature > 0 and (self.batch_sizes != [1] or self.arrivals is not None):
             problems.append("generation.temperature: sampled runs are measured one request at a time; "
                             "leave batch_sizes at [1] and arrivals unset")
+        if self.generation.share_prefill and (self.arrivals is not None or self.precisions):
+            problems.append("generation.share_prefill: shared prefills run in the grid of one model; "
+                            "leave arrivals and precisions unset")
+        if self.generation.one_forward_items and not (self.generation.share_prefill and self.generation.prefill_chunk
+                                                      and self.batch_sizes == [1]):
+            problems.append("generation.one_forward_items: compares a chunked shared prefill with one forward in "
+                            "the per-item grid; needs generation.share_prefill, generation.prefill_chunk and "
+                            "batch_sizes [1]")
         if self.generation.top_p is not None and self.generation.temperature == 0:
             problems.append("generation.top_p: needs generation.temperature > 0")
         for p in sorted({p for p in self.precisions if self.precisions.count(p) > 1}):

@@ -108,6 +108,7 @@ def write_summary(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any], 
         lines.append("")
 
     lines += _batched_sections(all_rows, meta)
+    lines += _prefill_section(all_rows)
 
     lines += ["## What the columns measure", ""]
     if rows or not batched:
@@ -159,6 +160,28 @@ _BATCHED_COLUMNS = [
     "- **exact rows**: rows whose tokens equal the reference's row for the same item in the same call "
     "group, of the rows compared (mean agreement in brackets).",
 ]
+
+
+def _prefill_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The shared prefills (``generation.share_prefill``): one line per item and repeat."""
+    rows = [r for r in rows if r.get("mode") == "prefill"]
+    if not rows:
+        return []
+    lines = ["## Shared prefills", "",
+             "Each item's prompt prefilled once, uncompressed; every accel configuration of the item started "
+             "from it (its *prefill s* above is its own copy and selection). RSS includes the model weights.", "",
+             "| item | prompt tok | prefill | prefill s | RSS before MiB | peak RSS MiB | peak − before MiB | first token |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        how = f"chunks of {r['prefill_chunk']}" if r["prefill_chunk"] else "one forward"
+        grew = r["peak_rss_mib"] - r["rss_before_mib"] if r["peak_rss_mib"] is not None and r["rss_before_mib"] else None
+        first = str(r["first_token"]) if r["error"] is None else f"⚠ {r['error']}"
+        if r.get("reused"):
+            how += ", reused (from an earlier group)"
+        lines.append(f"| {r['task']}/{r['item']} (r{r['repeat']}) | {r['prompt_tokens']} | {how} | "
+                     f"{_fmt(r['prefill_s'], 1)} | {_fmt(r['rss_before_mib'], 0)} | {_fmt(r['peak_rss_mib'], 0)} | "
+                     f"{_fmt(grew, 0)} | {first} |")
+    return lines + [""]
 
 
 def _precision_text(machine: dict[str, Any]) -> str:
