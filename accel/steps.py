@@ -95,8 +95,6 @@ def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[to
     if isinstance(compressors, PromptCompressor) or compressors is None:
         compressors = [compressors] * len(rows)
     lengths = [int(r.numel()) for r in rows]
-    device = rows[0].device
-    n = max(lengths)
     windows = [c.observation_window(length) if c is not None else 0 for c, length in zip(compressors, lengths)]
     window = max(windows)
     queries = {} if queries is None else queries
@@ -126,36 +124,23 @@ def prefill_steps(model, cache: SharedCache, prompts: torch.Tensor | Sequence[to
         if compress is not None:
             cache.compress_prompt(compress)
         return hidden
-    if chunk is not None and chunk < n:
-        hidden = yield from _prefill_chunks(model, cache, rows, chunk, window, queries)
-        if compress is not None:
-            cache.compress_prompt(compress)
-        return hidden
-    ids = torch.zeros((len(rows), n), dtype=torch.long, device=device)
-    for b, r in enumerate(rows):
-        ids[b, : r.numel()] = r
-    positions = torch.arange(n, device=device).unsqueeze(0).expand(len(rows), n)
-    mask = None
-    if min(lengths) != n:
-        mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
-    cache.begin_prefill(lengths, compress)
-    ends = torch.tensor(lengths, device=device) if mask is not None else None
-    with adapter.capture_window_queries(model, cache, window, queries, ends):
-        hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
-    cache.end_prefill()
-    last = torch.tensor(lengths, device=device) - 1
-    return hidden[torch.arange(len(rows), device=device), last]
+    return (yield from _prefill_whole(model, cache, rows, chunk, window, queries, compress))
 
 
 def _prefill_whole(model, cache: SharedCache, rows: list[torch.Tensor], chunk: int | None, window: int,
-                   queries: dict[int, torch.Tensor]) -> PrefillSteps:
-    """Fill the empty ``cache`` with ``rows``' whole prompts, uncompressed (in ``chunk``-token
-    forwards, or one), ``queries`` with each layer's last ``window`` prompt queries
-    [B, H_q, window, D]; returns the hidden states at each row's last prompt position [B, H]."""
+                   queries: dict[int, torch.Tensor], select=None) -> PrefillSteps:
+    """Fill the empty ``cache`` with ``rows``' prompts (in ``chunk``-token forwards, then every
+    layer offered to ``select``; or one forward, each layer offered as it stores), ``queries``
+    with each layer's last ``window`` prompt queries [B, H_q, window, D]; returns the hidden
+    states at each row's last prompt position [B, H]. ``select``: a
+    :meth:`SharedCache.begin_prefill` selector, None keeps every entry."""
     lengths = [int(r.numel()) for r in rows]
     n, device = max(lengths), rows[0].device
     if chunk is not None and chunk < n:
-        return (yield from _prefill_chunks(model, cache, rows, chunk, window, queries))
+        hidden = yield from _prefill_chunks(model, cache, rows, chunk, window, queries)
+        if select is not None:
+            cache.compress_prompt(select)
+        return hidden
     ids = torch.zeros((len(rows), n), dtype=torch.long, device=device)
     for b, r in enumerate(rows):
         ids[b, : r.numel()] = r
@@ -164,7 +149,7 @@ def _prefill_whole(model, cache: SharedCache, rows: list[torch.Tensor], chunk: i
     if min(lengths) != n:
         mask = (torch.arange(n, device=device).unsqueeze(0) < torch.tensor(lengths, device=device).unsqueeze(1)).long()
         ends = torch.tensor(lengths, device=device)
-    cache.begin_prefill(lengths)
+    cache.begin_prefill(lengths, select)
     with adapter.capture_window_queries(model, cache, window, queries, ends):
         hidden = adapter.backbone_forward(model, ids, positions, cache, mask)
     cache.end_prefill()
