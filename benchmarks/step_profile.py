@@ -10,6 +10,11 @@ commit).
 
     python benchmarks/step_profile.py --batch 8 12 --strategy medusa:heads=default --strategy prompt_lookup
     python benchmarks/step_profile.py --batch 1 8 --dtype bfloat16 --quantize int4
+    python benchmarks/step_profile.py --batch 8 --dtype bfloat16 --profile 12
+
+``--profile N`` also runs each configuration's steps once under ``torch.profiler`` and
+prints its N operators of most self CPU time per step (what is the model's compute and
+what is accel's bookkeeping around it).
 """
 
 from __future__ import annotations
@@ -76,13 +81,27 @@ def bare_forward_ms(model, prompts: list[torch.Tensor], steps: int) -> float:
     return (time.perf_counter() - start) * 1e3 / steps
 
 
-def batch_steps(model, prompts, plan, steps: int, timer: PhaseTimer) -> dict[str, float]:
+def batch_steps(model, prompts, plan, steps: int, timer: PhaseTimer, profile: int = 0,
+                label: str = "") -> dict[str, float]:
     rows = [engine.Row(prompt=p, plan=plan, max_new_tokens=10 * steps + 20, eos=frozenset()) for p in prompts]
     batch = engine.Batch(model)
     with adapter.packed_gqa_attention(model), adapter.per_layer_masks(model, batch.cache), torch.inference_mode():
         batch.admit(rows)
         for _ in range(3):  # warm-up (and the drafters' slow start)
             batch.step()
+        if profile:
+            from torch.profiler import ProfilerActivity, profile as profiled
+
+            with profiled(activities=[ProfilerActivity.CPU]) as prof:
+                for _ in range(steps):
+                    batch.step()
+            print(f"  torch.profiler, {steps} steps ({label}, B={len(prompts)}): self CPU ms per step")
+            events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+            total = sum(e.self_cpu_time_total for e in events)
+            for e in events[:profile]:
+                print(f"    {e.key:<40} {e.self_cpu_time_total / 1e3 / steps:7.2f} ms  "
+                      f"{e.count / steps:6.1f} calls  {100 * e.self_cpu_time_total / total:5.1f}%")
+            print(f"    {'(all operators)':<40} {total / 1e3 / steps:7.2f} ms")
         timer.clear()
         tokens = 0
         start = time.perf_counter()
@@ -103,6 +122,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", default="float32", help="as for accel.load_model (default: float32)")
     ap.add_argument("--quantize", default=None, choices=["int8", "int4"])
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="print each configuration's N operators of most self CPU time (torch.profiler)")
     args = ap.parse_args()
     model, tok = load_model(args.model, dtype=args.dtype, quantize=args.quantize)
     plans = {"plain": engine.plan_strategies([])}
@@ -120,7 +141,7 @@ def main() -> None:
             if "bare" not in best or bare < best["bare"]["ms"]:
                 best["bare"] = {"ms": bare}
             for name, plan in plans.items():
-                got = batch_steps(model, prompts, plan, args.steps, timer)
+                got = batch_steps(model, prompts, plan, args.steps, timer, args.profile if name not in best else 0, name)
                 if name not in best or got["ms"] < best[name]["ms"]:
                     best[name] = got
         print(f"\nB={b}: bare transformers forward {best['bare']['ms']:.1f} ms")

@@ -7,10 +7,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from accel.kernels import ordered
+from accel.kernels import native, ordered
 from accel.kernels.ordered import Layout, attend
 
 LOW = torch.finfo(torch.bfloat16).min
+
+
+@pytest.fixture(params=["torch", "native"])
+def impl(request, monkeypatch):
+    """Each test on both implementations: torch's operations (the native kernel turned off)
+    and the one-pass C++ kernel (skipped where it cannot be built)."""
+    if request.param == "torch":
+        monkeypatch.setattr(native, "ordered_serves", lambda *a: False)
+    elif native.ordered_kernel() is None:
+        pytest.skip("no C++ compiler for the native kernel on this machine")
+    return request.param
 
 
 def _tree(parents: list[int]) -> torch.Tensor:
@@ -63,7 +74,7 @@ def _sdpa(q, k, v, mask, scale):
     ((200, 64), 3, [-1, 0, 1], True),
     ((63, 129), 0, [-1, 0, 0, 0, 1, 1, 2, 3], True),
 ])
-def test_attend_equals_sdpa_in_float32(lengths, pending, parents, per_head, gather, monkeypatch):
+def test_attend_equals_sdpa_in_float32(lengths, pending, parents, per_head, gather, impl, monkeypatch):
     monkeypatch.setattr(ordered, "GATHER", gather)
     monkeypatch.setattr(ordered, "probe_widths", lambda head_dim, groups: True)  # both paths, on any machine
     q, k, v, mask, layout = _case(lengths, pending, parents, per_head=per_head)
@@ -73,7 +84,7 @@ def test_attend_equals_sdpa_in_float32(lengths, pending, parents, per_head, gath
 
 
 @pytest.mark.parametrize("gather", [0, 10**9])
-def test_a_node_gets_the_plain_steps_numbers_bit_for_bit(gather, monkeypatch):
+def test_a_node_gets_the_plain_steps_numbers_bit_for_bit(gather, impl, monkeypatch):
     # node 4's path is 0 -> 2 -> 4 (its siblings sit between them); committed, the path sits
     # at columns n, n+1 and the plain step at n+2 sees it there, next to another row
     monkeypatch.setattr(ordered, "GATHER", gather)
@@ -148,3 +159,27 @@ def test_without_a_set_limit_the_measured_one_picks_the_path(monkeypatch):
     want = _sdpa(q, k, v, mask, 0.125)
     for gather in (None, 0, 10**9):
         assert torch.allclose(attend(q, k, v, mask, layout, 0.125, gather=gather).float(), want, atol=2e-2)
+
+
+def test_the_native_kernel_agrees_with_the_torch_operations_in_bf16_and_reads_only_its_own_keys(monkeypatch):
+    # the one-pass kernel and torch's operations sum in different orders: they agree to bf16
+    # rounding; the kernel's result for a query does not move when other rows, queries and
+    # rows of the call change (its own virtual columns fix every sum)
+    if native.ordered_kernel() is None:
+        pytest.skip("no C++ compiler for the native kernel on this machine")
+    q, k, v, mask, layout = _case((150, 70, 5), 2, [-1, 0, 0, 1, 2, 4], per_head=True, seed=4)
+    out = attend(q, k, v, mask, layout, 0.125)
+    assert out.dtype == torch.bfloat16 and out.shape == (3, 6, 9, 64)
+    with monkeypatch.context() as mp:
+        mp.setattr(native, "ordered_serves", lambda *a: False)
+        ref = attend(q, k, v, mask, Layout(layout.lengths, 2, layout.tree), 0.125)
+    assert (out.float() - ref.float()).abs().max() < 2e-2
+    assert (out.float() - _sdpa(q, k, v, mask, 0.125)).abs().max() < 2e-2
+    # row 1 alone, its queries 0, 2, 4 only (their tree cut to them): the same bits
+    keep = [0, 2, 4]
+    tree = layout.tree[1:2][:, keep][:, :, keep]
+    start = max(layout.lengths) + 2
+    cols = list(range(70)) + [start - 2, start - 1] + [start + i for i in keep]  # its entries, the pending two, the nodes
+    alone = attend(q[1:2, :, keep], k[1:2, :, cols], v[1:2, :, cols], mask[1:2][:, :, keep][:, :, :, cols],
+                   Layout((70,), 2, tree), 0.125)
+    assert torch.equal(alone[0], out[1, keep])

@@ -117,7 +117,7 @@ def decoder_step(ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: 
         if ordered is None:
             attn = _attend(q, kbuf[:b, :, :span], vbuf[:b, :, :span], mask, kv_heads, scaling)
         else:
-            attn = attend_gathered(q, kbuf[:b, :, :span], vbuf[:b, :, :span], *ordered, scaling).reshape(b, t, -1)
+            attn = attend_gathered(q, kbuf[:b, :, :span], vbuf[:b, :, :span], ordered, scaling).reshape(b, t, -1)
         x = x + F.linear(attn, ow, ob)
         h = _rms(x, n2, eps)
         x = x + F.linear(F.silu(F.linear(h, gw)) * F.linear(h, uw), dw)
@@ -163,7 +163,7 @@ class CompiledStep:
         buffers = [cache.storage(layer) for layer in range(cache.num_layers)]
         ordered = None
         if cache.ordered:  # every layer holds the same entries: one layout for all
-            ordered = gathered_inputs(cache.layout(0), mask, w.kv_heads, w.heads // w.kv_heads)
+            ordered = gathered_inputs(cache.layout(0), mask, w.kv_heads, w.heads // w.kv_heads, w.head_dim)
         args = (ids, cos, sin, mask, w.embed, list(w.layers), w.norm, [k for k, _ in buffers],
                 [v for _, v in buffers], torch.tensor([base]), ordered)
         self.calls += 1
@@ -204,10 +204,10 @@ def _dynamic(args) -> None:
     for buffer in (*keys, *values):
         mark(buffer, 0)
         mark(buffer, 2)
-    if ordered is not None:  # cols [B, T, W]; the mask laid out [B, 1, T, W / BLOCK, BLOCK, 1]
+    if ordered is not None:  # cols [B, T, W]; then counts [B, T] (and the mask), or the mask laid out [B, 1, T, W / BLOCK, BLOCK, 1]
         for dim in (0, 1, 2):
             mark(ordered[0], dim)
-        for dim in (0, 2, 3):
+        for dim in ((0, 1) if len(ordered) == 3 else (0, 2, 3)):
             mark(ordered[1], dim)
 
 

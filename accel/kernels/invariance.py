@@ -226,9 +226,12 @@ def ordered(model) -> bool:
 
 
 def _ordered_probe(head_dim: int, groups: int) -> bool:
+    """The native kernel sums in an order of its own making (no probe needed); torch's
+    operations need this machine's float32 products to pass :func:`accel.kernels.ordered.probe`."""
+    from . import native
     from .ordered import probe as ordered_probe
 
-    return ordered_probe(head_dim, groups)
+    return native.ordered_serves(torch.bfloat16, head_dim, groups, "cpu") or ordered_probe(head_dim, groups)
 
 
 def kv_align(model) -> int:

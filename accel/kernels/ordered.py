@@ -37,6 +37,15 @@ A single matrix-vector product is the exception on MKL, so a lone column is doub
 Everything is float32 from bf16/fp16 inputs (products of two bf16 numbers are exact in
 float32); the output is cast back. It agrees with sdpa to float32 rounding (tested), and
 costs a float32 copy of the keys and values a layer reads (see docs/BENCHMARKS.md).
+
+Where a C++ compiler is at hand, :func:`accel.kernels.native.ordered_attend` does all of it in
+one pass instead: per query, its virtual columns (:func:`virtual_columns`, once per forward)
+read straight from the cache's buffers, the same blocks of 64, each sum in an order the
+kernel's own loops fix. It needs no probe (no library kernel chooses an order), copies
+nothing, and replaces some forty tensor operations a layer with one call. Its numbers are
+not the torch operations' bit for bit (other summation orders), so one process uses one of
+the two for every forward (the choice depends only on dtype, head size and the kernel being
+built); a compiled step calls it as the operator ``accel::ordered_attend``.
 """
 
 from __future__ import annotations
@@ -47,7 +56,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["BLOCK", "Layout", "attend", "attend_gathered", "choose_limit", "gather_limit", "gather_timings", "gathered_inputs", "probe", "probe_widths"]
+from . import native
+
+__all__ = ["BLOCK", "Layout", "attend", "attend_gathered", "choose_limit", "gather_limit", "gather_timings",
+           "gathered_inputs", "probe", "probe_widths", "virtual_columns"]
 
 #: Keys per block of virtual columns.
 BLOCK = 64
@@ -242,6 +254,11 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
     b, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
+    if native.ordered_serves(query.dtype, d, g, query.device):  # one pass in C++: the same order, no copies
+        cols, counts = _memo(layout, "virtual", lambda: virtual_columns(layout, query.device))
+        out = native.ordered_attend(query, key, value, mask, cols, counts, scale)
+        if out is not None:
+            return out
     q = query.float()
     tops, sums = [], []
     nd = direct_blocks(layout, probe_widths(d, g), (d, g, hkv), gather)
@@ -346,19 +363,51 @@ def _merge(tops: list[torch.Tensor], sums: list[torch.Tensor], dtype: torch.dtyp
     return out.permute(0, 3, 1, 2, 4).reshape(b, t, hkv * g, d1 - 1).to(dtype)
 
 
-def gathered_inputs(layout: Layout, mask: torch.Tensor, kv_heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+def virtual_columns(layout: Layout, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query's keys in virtual order, as :func:`accel.kernels.native.ordered_attend`
+    reads them: (storage columns [B, T, W] int64, how many of each query's are valid [B, T])."""
+    cols, valid, _ = _tail_columns(layout, 0, device)
+    return cols, valid.sum(-1)
+
+
+def gathered_inputs(layout: Layout, mask: torch.Tensor, kv_heads: int, groups: int,
+                    head_dim: int | None = None) -> tuple[torch.Tensor, ...]:
     """What :func:`attend_gathered` needs of a forward's layout and mask [B, 1, T, S]
-    (computed once per forward, every layer alike): (cols [B, T, W], m_tail)."""
+    (computed once per forward, every layer alike): where the native kernel serves queries of
+    ``head_dim`` and the mask's dtype, (cols [B, T, W], counts [B, T], mask); else (cols, m_tail)."""
+    if head_dim is not None and native.ordered_serves(mask.dtype, head_dim, groups, mask.device):
+        return (*virtual_columns(layout, mask.device), mask)
     cols, valid, _ = _tail_columns(layout, 0, mask.device)
     _, m_tail = _masks(mask, layout, 0, kv_heads, groups, cols, valid)
     return cols, m_tail
 
 
-def attend_gathered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cols: torch.Tensor,
-                    m_tail: torch.Tensor, scale: float) -> torch.Tensor:
+@torch.library.custom_op("accel::ordered_attend", mutates_args=())
+def _ordered_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+                cols: torch.Tensor, counts: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`accel.kernels.native.ordered_attend` as an operator a compiled graph keeps."""
+    out = native.ordered_attend(query, key, value, mask, cols, counts, scale)
+    if out is None:
+        raise RuntimeError("accel::ordered_attend: the native kernel does not serve these inputs")
+    return out
+
+
+@_ordered_op.register_fake
+def _ordered_op_fake(query, key, value, mask, cols, counts, scale):
+    b, hq, t, d = query.shape
+    return query.new_empty((b, t, hq, d))
+
+
+def attend_gathered(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, inputs: tuple[torch.Tensor, ...],
+                    scale: float) -> torch.Tensor:
     """:func:`attend` with every query's keys gathered (no blocks read in place), from the
-    tensors :func:`gathered_inputs` derived: plain tensor operations, for a compiled graph.
-    query [B, H_q, T, D]; key, value [B, H_kv, S, D]. Returns [B, T, H_q, D]."""
+    tensors :func:`gathered_inputs` derived: the native kernel as one operator, or plain
+    tensor operations, for a compiled graph. query [B, H_q, T, D]; key, value [B, H_kv, S, D].
+    Returns [B, T, H_q, D]."""
+    if len(inputs) == 3:
+        cols, counts, mask = inputs
+        return torch.ops.accel.ordered_attend(query, key, value, mask, cols, counts, scale)
+    cols, m_tail = inputs
     g = query.shape[1] // key.shape[1]
     top, acc = _tail(query.float(), key, value, cols, m_tail, scale, g)
     return _merge([top], [acc], query.dtype)
