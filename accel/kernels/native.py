@@ -248,6 +248,18 @@ _modules: dict[str, object] = {}  # kernel name -> compiled module
 _failures: dict[str, str] = {}  # kernel name -> why it is not available
 
 
+def _cpu() -> str:
+    """This CPU's model name and flags (what ``-march=native`` compiles for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [line for line in f if line.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    import platform
+
+    return platform.machine() + platform.processor() + "".join(lines)
+
+
 def _load(name: str, src: str, functions: list[str], what: str):
     """The compiled module ``accel_<name>`` of ``src`` (built once per machine and source under
     ``$ACCEL_CACHE/kernels``), or None: ``ACCEL_NATIVE_KERNELS=0``, no compiler, or a failed
@@ -262,11 +274,10 @@ def _load(name: str, src: str, functions: list[str], what: str):
         try:
             from torch.utils.cpp_extension import load_inline
 
-            from ..calibration.calibrate import _machine
             from ..files import cache_dir
 
             # -march=native: a build is this CPU's (a cache folder shared with another CPU builds its own)
-            digest = hashlib.sha256((src + repr(sorted(_machine().items()))).encode()).hexdigest()[:12]
+            digest = hashlib.sha256((src + _cpu()).encode()).hexdigest()[:12]
             folder = cache_dir() / "kernels" / f"{name}-{digest}"
             folder.mkdir(parents=True, exist_ok=True)
             if not (folder / f"accel_{name}.so").exists():
